@@ -1,0 +1,23 @@
+"""fullshard: Fully Sharded Data Parallel for PyTorch, with torch FSDP's public API.
+
+Switch from torch by changing one import::
+
+    from fullshard import FullyShardedDataParallel as FSDP, ShardingStrategy
+"""
+
+from __future__ import annotations
+
+from . import wrap
+from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .flat_param import FlatParameter
+from .fully_sharded_data_parallel import FullyShardedDataParallel
+
+__all__ = [
+    "BackwardPrefetch",
+    "CPUOffload",
+    "FlatParameter",
+    "FullyShardedDataParallel",
+    "MixedPrecision",
+    "ShardingStrategy",
+    "wrap",
+]

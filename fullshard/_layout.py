@@ -1,0 +1,118 @@
+"""Flat-parameter layout: where each original parameter lives in one flat 1-D buffer.
+
+Pure functions over shapes and sizes; no process group, no device. A unit's original
+parameters are laid out back to back in registration order, then the buffer is padded at
+the end so that ``padded_numel % num_shards == 0`` and every rank holds an equal shard.
+
+Worked example: parameters of 3 and 4 elements on 3 ranks::
+
+    flat (numel 7, padded_numel 9):  [a0 a1 a2 | b0 b1 b2 b3 | pad pad]
+    rank 0 shard [0, 3):             [a0 a1 a2]        -> a[0:3]
+    rank 1 shard [3, 6):             [b0 b1 b2]        -> b[0:3]
+    rank 2 shard [6, 9):             [b3 pad pad]      -> b[3:4]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__: list[str] = []
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One original parameter's place in the unpadded flat buffer."""
+
+    fqn: str
+    """Name relative to the unit's wrapped module, without wrapper prefixes."""
+    shape: torch.Size
+    numel: int
+    offset: int
+    """First element of this parameter in the flat buffer."""
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """The part of one parameter that falls inside one rank's shard."""
+
+    slot_index: int
+    param_start: int
+    """Offset of the piece within the parameter's flattened elements."""
+    shard_start: int
+    """Offset of the piece within the rank's shard."""
+    numel: int
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """How a unit's parameters map into its flat buffer and onto ``num_shards`` shards."""
+
+    slots: tuple[ParamSlot, ...]
+    numel: int
+    """Number of real elements (sum of the parameters' numels)."""
+    padded_numel: int
+    """``numel`` rounded up to a multiple of ``num_shards``."""
+    num_shards: int
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.num_shards
+
+    @property
+    def numels(self) -> list[int]:
+        return [slot.numel for slot in self.slots]
+
+    def shard_range(self, shard_rank: int) -> tuple[int, int]:
+        """``[start, end)`` of ``shard_rank``'s shard in the padded buffer."""
+        if not 0 <= shard_rank < self.num_shards:
+            raise ValueError(f"shard rank {shard_rank} out of range [0, {self.num_shards})")
+        start = shard_rank * self.shard_numel
+        return start, start + self.shard_numel
+
+    def shard_pieces(self, shard_rank: int) -> tuple[ShardPiece | None, ...]:
+        """For each parameter, its piece in ``shard_rank``'s shard, or None if it has none."""
+        shard_start, shard_end = self.shard_range(shard_rank)
+        pieces: list[ShardPiece | None] = []
+        for index, slot in enumerate(self.slots):
+            start = max(slot.offset, shard_start)
+            end = min(slot.offset + slot.numel, shard_end)
+            if start >= end:
+                pieces.append(None)
+                continue
+            pieces.append(
+                ShardPiece(
+                    slot_index=index,
+                    param_start=start - slot.offset,
+                    shard_start=start - shard_start,
+                    numel=end - start,
+                )
+            )
+        return tuple(pieces)
+
+
+def padded_numel(numel: int, num_shards: int) -> int:
+    """Smallest multiple of ``num_shards`` that is >= ``numel``."""
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    return -(-numel // num_shards) * num_shards
+
+
+def make_layout(
+    fqns: list[str],
+    shapes: list[torch.Size],
+    requires_grads: list[bool],
+    num_shards: int,
+) -> FlatLayout:
+    """Lay out parameters of ``shapes`` back to back, padded for ``num_shards`` shards."""
+    if not len(fqns) == len(shapes) == len(requires_grads):
+        raise ValueError("fqns, shapes and requires_grads must have the same length")
+    slots: list[ParamSlot] = []
+    offset = 0
+    for fqn, shape, requires_grad in zip(fqns, shapes, requires_grads):
+        numel = torch.Size(shape).numel()
+        slots.append(ParamSlot(fqn, torch.Size(shape), numel, offset, requires_grad))
+        offset += numel
+    return FlatLayout(tuple(slots), offset, padded_numel(offset, num_shards), num_shards)

@@ -1,0 +1,162 @@
+"""Resolve the shard and replicate groups of a unit from the user's arguments."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .api import ShardingStrategy
+
+__all__: list[str] = []
+
+HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+# Default hybrid groups, created once per (default group, local world size): building them
+# calls `new_group` on every rank, and hand-nested units must share one set of groups.
+_DEFAULT_HYBRID_GROUPS: dict[tuple[int, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+@dataclass(frozen=True)
+class ShardingGroups:
+    """The groups a unit communicates over, resolved once at construction."""
+
+    shard: dist.ProcessGroup
+    """Parameters are sharded over (and gradients reduce-scattered within) this group."""
+    replicate: dist.ProcessGroup | None
+    """Hybrid strategies all-reduce the sharded gradient over this group; else None."""
+
+    @property
+    def shard_size(self) -> int:
+        return dist.get_world_size(self.shard)
+
+    @property
+    def shard_rank(self) -> int:
+        return dist.get_rank(self.shard)
+
+    @property
+    def replicate_size(self) -> int:
+        return 1 if self.replicate is None else dist.get_world_size(self.replicate)
+
+    @property
+    def num_data_parallel_ranks(self) -> int:
+        """How many ranks see different data: gradients are averaged over this many."""
+        return self.shard_size * self.replicate_size
+
+
+def _local_world_size() -> int:
+    env = os.environ.get("LOCAL_WORLD_SIZE")
+    if env is not None:
+        return int(env)
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        return torch.cuda.device_count()
+    return dist.get_world_size()
+
+
+def _default_hybrid_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Shard within a node (``LOCAL_WORLD_SIZE`` ranks), replicate across nodes."""
+    world_size = dist.get_world_size()
+    local_size = _local_world_size()
+    if local_size < 1 or world_size % local_size != 0:
+        raise ValueError(
+            f"HYBRID_SHARD needs the world size ({world_size}) to be a multiple of the "
+            f"local world size ({local_size}); pass process_group=(shard_group, "
+            "replicate_group) or a 2-D device_mesh instead"
+        )
+    key = (id(dist.group.WORLD), local_size)
+    if key in _DEFAULT_HYBRID_GROUPS:
+        return _DEFAULT_HYBRID_GROUPS[key]
+    rank = dist.get_rank()
+    num_nodes = world_size // local_size
+    shard_group = replicate_group = None
+    for node in range(num_nodes):  # every rank must create every group, in the same order
+        ranks = list(range(node * local_size, (node + 1) * local_size))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            shard_group = group
+    for local_rank in range(local_size):
+        ranks = list(range(local_rank, world_size, local_size))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            replicate_group = group
+    assert shard_group is not None and replicate_group is not None
+    _DEFAULT_HYBRID_GROUPS[key] = (shard_group, replicate_group)
+    return shard_group, replicate_group
+
+
+def _groups_from_mesh(device_mesh: Any, hybrid: bool) -> ShardingGroups:
+    if device_mesh.ndim == 1:
+        if hybrid:
+            raise ValueError("HYBRID_SHARD with a device_mesh needs a 2-D mesh (replicate, shard)")
+        return ShardingGroups(device_mesh.get_group(), None)
+    if device_mesh.ndim == 2:
+        if not hybrid:
+            raise ValueError(
+                "a 2-D device_mesh is only valid with HYBRID_SHARD or _HYBRID_SHARD_ZERO2; "
+                "pass a 1-D mesh for other strategies"
+            )
+        return ShardingGroups(device_mesh.get_group(1), device_mesh.get_group(0))
+    raise ValueError(f"device_mesh must be 1-D or 2-D, got {device_mesh.ndim}-D")
+
+
+def resolve_groups(
+    strategy: ShardingStrategy, process_group: Any, device_mesh: Any
+) -> ShardingGroups:
+    """Turn ``process_group`` / ``device_mesh`` into the unit's shard and replicate groups."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "fullshard needs torch.distributed initialised: call "
+            "torch.distributed.init_process_group() (e.g. under torchrun) before wrapping"
+        )
+    hybrid = strategy in HYBRID_STRATEGIES
+    if device_mesh is not None:
+        if process_group is not None:
+            raise ValueError("pass either process_group or device_mesh, not both")
+        return _groups_from_mesh(device_mesh, hybrid)
+    if hybrid:
+        if process_group is None:
+            return ShardingGroups(*_default_hybrid_groups())
+        if not (isinstance(process_group, tuple) and len(process_group) == 2):
+            raise ValueError(
+                f"{strategy} needs process_group=(shard_group, replicate_group), "
+                f"got {type(process_group).__name__}"
+            )
+        return ShardingGroups(process_group[0], process_group[1])
+    if isinstance(process_group, tuple):
+        raise ValueError(
+            f"a (shard_group, replicate_group) tuple is only valid with hybrid strategies, "
+            f"not {strategy}"
+        )
+    group = process_group if process_group is not None else dist.group.WORLD
+    assert group is not None
+    return ShardingGroups(group, None)
+
+
+def effective_strategy(strategy: ShardingStrategy, groups: ShardingGroups) -> ShardingStrategy:
+    """A sharded strategy over one rank is NO_SHARD; say so once, as torch FSDP does."""
+    if (
+        strategy != ShardingStrategy.NO_SHARD
+        and groups.shard_size == 1
+        and groups.replicate_size == 1
+    ):
+        warnings.warn(
+            f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the world size is 1."
+        )
+        return ShardingStrategy.NO_SHARD
+    return strategy
+
+
+def gradient_divide_factors(num_ranks: int) -> tuple[float, float]:
+    """Split the 1/N of gradient averaging into a pre- and post-reduction division.
+
+    Dividing partly before the sum keeps low-precision sums in range, partly after keeps
+    small gradients from underflowing; the product of the two factors is ``num_ranks``.
+    """
+    factor = 1
+    while num_ranks % factor == 0 and num_ranks / factor > factor:
+        factor *= 2
+    return float(factor), num_ranks / factor

@@ -1,0 +1,234 @@
+"""Runtime: the hooks and the communication schedule of one training step.
+
+FULL_SHARD, per unit:
+
+- pre-forward: all-gather (unless already unsharded), wait, point modules at the views;
+- post-forward: reshard (non-root units only, see [Note: the root keeps its parameters]),
+  and hook every output tensor that requires grad;
+- pre-backward (first output hook to fire): all-gather again, prefetch the unit that runs
+  next in backward, wait for our own parameters;
+- post-backward (the unsharded leaf's post-accumulate-grad hook): issue the reduce-scatter,
+  reshard;
+- end of backward (an autograd engine callback queued by the first hook of the pass): wait
+  for every reduction, accumulate sharded gradients, reshard whatever is still unsharded.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.autograd import Variable
+
+from .api import BackwardPrefetch, ShardingStrategy
+from .flat_param import FlatParamHandle, HandleState
+
+__all__: list[str] = []
+
+RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+# [Note: the root keeps its parameters]
+# Under FULL_SHARD every unit frees its unsharded parameters after forward, except the root:
+# the first thing backward does is use the root's parameters again (its last layers run first
+# in backward), so freeing and re-gathering them would only add one all-gather of the root's
+# parameters per step. The root is resharded at its post-backward instead. Forward passes that
+# cannot be followed by a backward (no grad, or no output requiring grad) reshard every unit.
+
+
+class TrainingState(enum.Enum):
+    """What an FSDP unit is doing."""
+
+    IDLE = enum.auto()
+    """Between steps: parameters sharded (the root's may be kept until backward)."""
+    FORWARD_BACKWARD = enum.auto()
+    """Inside forward or backward: hooks are driving unshard/reshard and reductions."""
+    SUMMON_FULL_PARAMS = enum.auto()
+    """Inside `summon_full_params`: the full parameters are exposed to the user."""
+
+
+class HandleTrainingState(enum.Enum):
+    """Where in the step a unit's flat parameter is."""
+
+    IDLE = enum.auto()
+    """Not in use by forward or backward."""
+    FORWARD = enum.auto()
+    """The unit's forward is running with its parameters unsharded."""
+    BACKWARD_PRE = enum.auto()
+    """Its pre-backward hook ran: parameters unsharded for gradient computation."""
+    BACKWARD_POST = enum.auto()
+    """Its gradient was computed and its reduction issued."""
+    SUMMON_FULL_PARAMS = enum.auto()
+    """Its full parameters are exposed by `summon_full_params`."""
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside nested tuples (namedtuples too), lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from iter_tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from iter_tensors(item)
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
+    """Apply ``fn`` to every tensor inside nested tuples, namedtuples, lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(map_tensors(fn, item) for item in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(map_tensors(fn, item) for item in obj)
+    if isinstance(obj, dict):
+        return type(obj)((key, map_tensors(fn, value)) for key, value in obj.items())
+    return obj
+
+
+class RootState:
+    """State shared by every unit under one root for one step; owned by the root."""
+
+    def __init__(self, units: list[UnitRuntime], backward_prefetch: BackwardPrefetch | None):
+        self.units = units
+        self.backward_prefetch = backward_prefetch
+        self.forward_order: list[UnitRuntime] = []
+        """Units with parameters, in the order their forward first ran this step."""
+        self.pending_reductions: list[UnitRuntime] = []
+        self.end_of_backward_queued = False
+
+    def begin_forward(self) -> None:
+        self.forward_order = []
+
+    def record_forward(self, unit: UnitRuntime) -> None:
+        if unit not in self.forward_order:
+            self.forward_order.append(unit)
+
+    def queue_end_of_backward(self) -> None:
+        """Have autograd call ``finish_backward`` once the current backward pass is done."""
+        if not self.end_of_backward_queued:
+            self.end_of_backward_queued = True
+            Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def prefetch_for_backward(self, unit: UnitRuntime) -> None:
+        """Issue the all-gather of the unit that backward reaches after ``unit``."""
+        if self.backward_prefetch != BackwardPrefetch.BACKWARD_PRE or unit not in self.forward_order:
+            return
+        index = self.forward_order.index(unit)
+        if index == 0:
+            return
+        target = self.forward_order[index - 1]
+        handle = target.handle
+        if handle is not None and not target.ran_pre_backward and handle.state == HandleState.SHARDED:
+            handle.unshard()
+
+    def finish_backward(self) -> None:
+        """Wait for every reduction, finalise sharded gradients, reshard everything."""
+        for unit in self.pending_reductions:
+            assert unit.handle is not None
+            unit.handle.finalize_grad()
+        self.pending_reductions = []
+        for unit in self.units:
+            unit.finish_backward()
+        self.end_of_backward_queued = False
+
+
+class UnitRuntime:
+    """Per-unit runtime state and the hooks that drive it."""
+
+    def __init__(self, handle: FlatParamHandle | None, strategy: ShardingStrategy) -> None:
+        self.handle = handle
+        self.reshard_after_forward = strategy in RESHARD_AFTER_FORWARD
+        self.is_root: bool | None = None
+        """None until lazy initialisation at the first forward decides."""
+        self.root_state: RootState | None = None
+        self.training_state = TrainingState.IDLE
+        self.handle_training_state = HandleTrainingState.IDLE
+        self.sync_gradients = True
+        """False inside `no_sync()`: keep accumulating unsharded gradients locally."""
+        self.ran_pre_backward = False
+        self._post_backward_hook = (
+            handle.register_post_backward_hook(self.post_backward) if handle is not None else None
+        )
+
+    @property
+    def root(self) -> RootState:
+        if self.root_state is None:
+            raise RuntimeError("fullshard internal error: unit used before lazy initialisation")
+        return self.root_state
+
+    def pre_forward(self) -> None:
+        if self.is_root:
+            self.root.begin_forward()
+        self.training_state = TrainingState.FORWARD_BACKWARD
+        self.handle_training_state = HandleTrainingState.FORWARD
+        handle = self.handle
+        if handle is None:
+            return
+        self.root.record_forward(self)
+        if handle.state == HandleState.SHARDED:
+            handle.unshard()
+        handle.wait_unshard()
+        handle.use_unsharded_views()
+
+    def post_forward(self, output: Any) -> Any:
+        requires_grad = [t for t in iter_tensors(output) if t.requires_grad]
+        will_backward = torch.is_grad_enabled() and bool(requires_grad)
+        handle = self.handle
+        if handle is not None and (not will_backward or (self.reshard_after_forward and not self.is_root)):
+            handle.reshard()
+        if will_backward:
+            for tensor in requires_grad:
+                tensor.register_hook(self._pre_backward_hook)
+        self.training_state = TrainingState.IDLE
+        self.handle_training_state = HandleTrainingState.IDLE
+        return output
+
+    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
+        self.pre_backward()
+
+    def pre_backward(self) -> None:
+        if self.ran_pre_backward:
+            return
+        self.ran_pre_backward = True
+        root = self.root
+        root.queue_end_of_backward()
+        self.training_state = TrainingState.FORWARD_BACKWARD
+        self.handle_training_state = HandleTrainingState.BACKWARD_PRE
+        handle = self.handle
+        if handle is None:
+            return
+        if handle.state == HandleState.SHARDED:
+            handle.unshard()
+        root.prefetch_for_backward(self)  # issued before we block on our own all-gather
+        handle.wait_unshard()
+        handle.use_unsharded_views()
+
+    def post_backward(self) -> None:
+        handle = self.handle
+        assert handle is not None
+        root = self.root
+        root.queue_end_of_backward()
+        self.handle_training_state = HandleTrainingState.BACKWARD_POST
+        if self.sync_gradients:
+            handle.reduce_grad()
+            root.pending_reductions.append(self)
+        if handle.state != HandleState.SHARDED and not handle.has_detached_frozen_views:
+            # Frozen parameters' views are detached, so autograd may still read them after
+            # this hook; such units are resharded at the end of backward instead.
+            handle.reshard()
+
+    def finish_backward(self) -> None:
+        handle = self.handle
+        if handle is not None:
+            if self.sync_gradients and handle.has_unsharded_grad():
+                # Gradients accumulated under no_sync() that this pass did not touch.
+                handle.reduce_grad()
+                handle.finalize_grad()
+            if handle.state != HandleState.SHARDED:
+                handle.reshard()
+        self.ran_pre_backward = False
+        self.training_state = TrainingState.IDLE
+        self.handle_training_state = HandleTrainingState.IDLE

@@ -1,0 +1,92 @@
+"""``summon_full_params``: expose full parameters outside forward/backward.
+
+Built on the handle's own verbs (``unshard``, ``wait_unshard``, ``reshard``): it issues every
+unit's all-gather first, then waits for each, so the gathers overlap one another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator
+
+import torch.distributed as dist
+from torch import nn
+
+from ._runtime import HandleTrainingState, TrainingState
+from .flat_param import HandleState
+
+__all__: list[str] = []
+
+
+def _units(module: nn.Module, recurse: bool) -> list[nn.Module]:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+
+    if recurse:
+        return list(FSDP.fsdp_modules(module))
+    return list(FSDP.fsdp_modules(module, root_only=True))
+
+
+def _validate(
+    units: list[nn.Module], writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
+) -> None:
+    if writeback and rank0_only:
+        raise ValueError(
+            "writeback=True and rank0_only=True is not supported, as model parameter shapes "
+            "will be different across ranks, and writing to them can lead to inconsistencies "
+            "across ranks when the context is exited."
+        )
+    if with_grads:
+        raise NotImplementedError(
+            "fullshard does not support summon_full_params(with_grads=True) yet"
+        )
+    for unit in units:
+        runtime = unit._runtime
+        if runtime.training_state == TrainingState.SUMMON_FULL_PARAMS:
+            raise RuntimeError("summon_full_params is already active on this module")
+        if runtime.training_state != TrainingState.IDLE:
+            raise RuntimeError(
+                "Cannot manually unshard parameters during forward/backward: call "
+                "summon_full_params outside the model's forward and backward"
+            )
+        if offload_to_cpu and unit.compute_device.type != "cpu":
+            raise NotImplementedError(
+                "fullshard does not support summon_full_params(offload_to_cpu=True) for "
+                "parameters on an accelerator yet"
+            )
+
+
+@contextlib.contextmanager
+def summon(
+    module: nn.Module,
+    recurse: bool,
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
+) -> Generator[None, None, None]:
+    units = _units(module, recurse)
+    _validate(units, writeback, rank0_only, offload_to_cpu, with_grads)
+    handles = [unit._handle for unit in units if unit._handle is not None]
+    for handle in handles:
+        if handle.state == HandleState.SHARDED:
+            handle.unshard()
+    for handle in handles:
+        handle.wait_unshard()
+    expose = not rank0_only or dist.get_rank() == 0
+    for unit in units:
+        unit._runtime.training_state = TrainingState.SUMMON_FULL_PARAMS
+        unit._runtime.handle_training_state = HandleTrainingState.SUMMON_FULL_PARAMS
+    try:
+        if expose:
+            for handle in handles:
+                handle.expose_unsharded_params()
+        yield
+    finally:
+        for handle in handles:
+            if expose:
+                handle.hide_unsharded_params(writeback)
+            else:
+                handle.reshard()
+        for unit in units:
+            unit._runtime.training_state = TrainingState.IDLE
+            unit._runtime.handle_training_state = HandleTrainingState.IDLE

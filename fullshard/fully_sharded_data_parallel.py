@@ -1,0 +1,448 @@
+"""``FullyShardedDataParallel``: construction, auto-wrapping and the public methods.
+
+The module owns construction-time decisions only (validated settings, which parameters a
+unit manages, its handle); per-step state lives in the unit's ``UnitRuntime``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Generator, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._process_groups import ShardingGroups, effective_strategy, resolve_groups
+from ._runtime import RootState, TrainingState, UnitRuntime, map_tensors
+from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .flat_param import FlatParameter, FlatParamHandle, HandleState
+
+__all__ = ["FullyShardedDataParallel", "FSDP_WRAPPED_MODULE", "HOMOGENEOUS_ATTR_NAMES"]
+
+FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
+FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
+FLAT_PARAM = "_flat_param"
+HOMOGENEOUS_ATTR_NAMES = ["_use_orig_params", "limit_all_gathers", "_use_full_prec_in_eval"]
+"""Attributes every unit under one root must agree on."""
+
+_USE_FULL_PREC_IN_EVAL = "FSDP_USE_FULL_PREC_IN_EVAL"
+
+
+def clean_fqn(name: str) -> str:
+    """A name without the wrapper prefixes: what the unwrapped model calls it."""
+    return name.replace(FSDP_PREFIX, "")
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """A unit's validated configuration, resolved once from the constructor's arguments."""
+
+    strategy: ShardingStrategy
+    groups: ShardingGroups
+    use_orig_params: bool
+    backward_prefetch: BackwardPrefetch | None
+    limit_all_gathers: bool
+    device_id: torch.device | None
+
+
+def _not_yet(option: str, issue: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"fullshard does not support {option} yet ({issue}); remove the argument or use "
+        "torch.distributed.fsdp for now"
+    )
+
+
+def _check_supported(kwargs: dict[str, Any]) -> None:
+    """Refuse, by name, options whose behaviour is not built yet: nothing is silently ignored."""
+    cpu_offload = kwargs.get("cpu_offload")
+    if cpu_offload is not None and cpu_offload.offload_params:
+        raise _not_yet("CPUOffload(offload_params=True)", "CPU offload")
+    mixed_precision = kwargs.get("mixed_precision")
+    if mixed_precision is not None and mixed_precision != MixedPrecision():
+        raise _not_yet("mixed_precision", "mixed precision")
+    if kwargs.get("backward_prefetch") == BackwardPrefetch.BACKWARD_POST:
+        raise _not_yet("backward_prefetch=BackwardPrefetch.BACKWARD_POST", "prefetch")
+    if kwargs.get("forward_prefetch"):
+        raise _not_yet("forward_prefetch=True", "prefetch")
+    for option in ("ignored_modules", "ignored_states", "param_init_fn"):
+        if kwargs.get(option) is not None:
+            raise _not_yet(option, "construction options")
+    if kwargs.get("sync_module_states"):
+        raise _not_yet("sync_module_states=True", "construction options")
+
+
+def _resolve_device_id(device_id: int | torch.device | None) -> torch.device | None:
+    if device_id is None:
+        return None
+    if isinstance(device_id, int):
+        return torch.device("cuda", device_id)
+    device = torch.device(device_id)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+_CONSTRUCTOR_OPTIONS = frozenset(
+    "process_group sharding_strategy cpu_offload backward_prefetch mixed_precision "
+    "ignored_modules param_init_fn device_id sync_module_states forward_prefetch "
+    "limit_all_gathers use_orig_params ignored_states device_mesh".split()
+)
+
+
+def _resolve_settings(kwargs: dict[str, Any]) -> _Settings:
+    unknown = set(kwargs) - _CONSTRUCTOR_OPTIONS
+    if unknown:
+        raise TypeError(
+            f"unknown FullyShardedDataParallel options {sorted(unknown)} (from a wrap policy's "
+            f"overrides?); valid options are {sorted(_CONSTRUCTOR_OPTIONS)}"
+        )
+    _check_supported(kwargs)
+    strategy = kwargs.get("sharding_strategy") or ShardingStrategy.FULL_SHARD
+    if not isinstance(strategy, ShardingStrategy):
+        raise TypeError(
+            f"sharding_strategy must be a fullshard.ShardingStrategy, got {strategy!r}"
+        )
+    groups = resolve_groups(strategy, kwargs.get("process_group"), kwargs.get("device_mesh"))
+    prefetch = kwargs.get("backward_prefetch", BackwardPrefetch.BACKWARD_PRE)
+    if prefetch is not None and not isinstance(prefetch, BackwardPrefetch):
+        raise TypeError(f"backward_prefetch must be a BackwardPrefetch or None, got {prefetch!r}")
+    return _Settings(
+        strategy=effective_strategy(strategy, groups),
+        groups=groups,
+        use_orig_params=bool(kwargs.get("use_orig_params", False)),
+        backward_prefetch=prefetch,
+        limit_all_gathers=bool(kwargs.get("limit_all_gathers", True)),
+        device_id=_resolve_device_id(kwargs.get("device_id")),
+    )
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shards a module's parameters across ranks; the API of torch's FSDP (FSDP1).
+
+    Wrap the model (usually with an ``auto_wrap_policy`` so each block is its own unit),
+    build the optimizer over the wrapped model's parameters, and train as usual::
+
+        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: Any = None,
+        sharding_strategy: ShardingStrategy | None = None,
+        cpu_offload: CPUOffload | None = None,
+        auto_wrap_policy: Any = None,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: MixedPrecision | None = None,
+        ignored_modules: Iterable[nn.Module] | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        device_id: int | torch.device | None = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = False,
+        ignored_states: Iterable[Any] | None = None,
+        device_mesh: Any = None,
+    ) -> None:
+        super().__init__()
+        kwargs = dict(
+            process_group=process_group,
+            sharding_strategy=sharding_strategy,
+            cpu_offload=cpu_offload,
+            backward_prefetch=backward_prefetch,
+            mixed_precision=mixed_precision,
+            ignored_modules=ignored_modules,
+            param_init_fn=param_init_fn,
+            device_id=device_id,
+            sync_module_states=sync_module_states,
+            forward_prefetch=forward_prefetch,
+            limit_all_gathers=limit_all_gathers,
+            use_orig_params=use_orig_params,
+            ignored_states=ignored_states,
+            device_mesh=device_mesh,
+        )
+        if isinstance(module, FullyShardedDataParallel):
+            raise ValueError(
+                "the module is already a FullyShardedDataParallel instance; wrap it only once"
+            )
+        settings = _resolve_settings(kwargs)
+        if auto_wrap_policy is not None:
+            _auto_wrap(module, auto_wrap_policy, kwargs)
+        self._init_unit(module, settings, excluded_params=set())
+
+    @classmethod
+    def _build_unit(
+        cls, module: nn.Module, kwargs: dict[str, Any], excluded_params: set[nn.Parameter]
+    ) -> FullyShardedDataParallel:
+        """Construct a unit for auto-wrapping, leaving ``excluded_params`` to an ancestor."""
+        unit = cls.__new__(cls)
+        nn.Module.__init__(unit)
+        unit._init_unit(module, _resolve_settings(kwargs), excluded_params)
+        return unit
+
+    def _init_unit(
+        self, module: nn.Module, settings: _Settings, excluded_params: set[nn.Parameter]
+    ) -> None:
+        self._fsdp_wrapped_module = module
+        self._settings = settings
+        self._use_orig_params = settings.use_orig_params
+        self.limit_all_gathers = settings.limit_all_gathers
+        self._use_full_prec_in_eval = os.environ.get(_USE_FULL_PREC_IN_EVAL, "") == "1"
+        self.sharding_strategy = settings.strategy
+        self.process_group = settings.groups.shard
+        if settings.device_id is not None:
+            module.to(settings.device_id)
+        params, owners, fqns = _collect_unit_params(module, excluded_params)
+        self.compute_device: torch.device = _compute_device(params, module, settings.device_id)
+        self._handle: FlatParamHandle | None = None
+        if params:
+            self._handle = FlatParamHandle(
+                params,
+                owners,
+                fqns,
+                settings.groups,
+                settings.strategy,
+                settings.use_orig_params,
+                self.compute_device,
+                label=type(module).__name__,
+            )
+            if not settings.use_orig_params:
+                module.register_parameter(FLAT_PARAM, self._handle.flat_param)
+        self._runtime = UnitRuntime(self._handle, settings.strategy)
+
+    # -- module plumbing ------------------------------------------------------------------
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        return self._fsdp_wrapped_module
+
+    def __getattr__(self, name: str) -> Any:
+        """Forward missing attributes to the wrapped module."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._fsdp_wrapped_module, name)
+
+    def __getitem__(self, key: int) -> Any:
+        """Forward indexing to the wrapped module (e.g. a wrapped ``nn.Sequential``)."""
+        return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """Inside ``summon_full_params``, the local model's names and full parameters."""
+        in_summon = self._runtime.training_state == TrainingState.SUMMON_FULL_PARAMS
+        for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
+            if in_summon:
+                if isinstance(param, FlatParameter):
+                    continue
+                name = clean_fqn(name)
+            yield name, param
+
+    # -- forward ----------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        runtime = self._runtime
+        if runtime.is_root is None:
+            self._lazy_init()
+        label = self._handle.label if self._handle is not None else "(no params)"
+        with torch.autograd.profiler.record_function(f"fullshard::forward({label})"):
+            if runtime.is_root:
+                args, kwargs = self._to_compute_device(args, kwargs)
+            runtime.pre_forward()
+            output = self._fsdp_wrapped_module(*args, **kwargs)
+            return runtime.post_forward(output)
+
+    def _to_compute_device(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        device = self.compute_device
+
+        def move(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor if tensor.device == device else tensor.to(device)
+
+        return map_tensors(move, args), map_tensors(move, kwargs)
+
+    def _lazy_init(self) -> None:
+        """Make this unit the root of every unit below it (at its first forward)."""
+        units = [(clean_fqn(name), m) for name, m in self.named_modules() if isinstance(m, FullyShardedDataParallel)]
+        _check_homogeneous([m for _, m in units])
+        for fqn, unit in units:
+            if unit is not self and unit._runtime.training_state != TrainingState.IDLE:
+                raise RuntimeError(f"FSDP unit '{fqn}' is in use while its root initialises")
+            unit._runtime.is_root = unit is self
+            if unit._handle is not None:
+                unit._handle.label = fqn or "(root)"
+        root_state = RootState([m._runtime for _, m in units], self._settings.backward_prefetch)
+        for _, unit in units:
+            unit._runtime.root_state = root_state
+
+    def check_is_root(self) -> bool:
+        """Whether this unit is the root (initialising lazily if needed)."""
+        if self._runtime.is_root is None:
+            self._lazy_init()
+        return bool(self._runtime.is_root)
+
+    # -- public static methods ----------------------------------------------------------------
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
+        """Every FSDP unit in ``module`` (itself included), or only the top-level ones."""
+        units = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        if not root_only:
+            return units
+        nested = {id(m) for unit in units for m in unit.module.modules() if m is not unit}
+        return [unit for unit in units if id(unit) not in nested]
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
+        """``nn.Module.apply`` with full parameters visible (edits are written back)."""
+        with FullyShardedDataParallel.summon_full_params(self, writeback=True):
+            super().apply(fn)
+        return self
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        """Accumulate unsharded gradients locally, with no communication, inside the block."""
+        if not self.check_is_root():
+            raise RuntimeError(
+                "`no_sync()` on inner FSDP instances is not supported. Please call `no_sync()` "
+                "on root FSDP module."
+            )
+        units = FullyShardedDataParallel.fsdp_modules(self)
+        previous = [unit._runtime.sync_gradients for unit in units]
+        for unit in units:
+            unit._runtime.sync_gradients = False
+        try:
+            yield
+        finally:
+            for unit, value in zip(units, previous):
+                unit._runtime.sync_gradients = value
+
+    @staticmethod
+    @contextlib.contextmanager
+    def summon_full_params(
+        module: nn.Module,
+        recurse: bool = True,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> Generator[None, None, None]:
+        """Expose every unit's full parameters inside the block (see ``_summon``)."""
+        from ._summon import summon
+
+        with summon(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads):
+            yield
+
+
+def _check_homogeneous(units: list[FullyShardedDataParallel]) -> None:
+    for attr_name in HOMOGENEOUS_ATTR_NAMES:
+        values = {getattr(unit, attr_name) for unit in units}
+        if len(values) > 1:
+            raise ValueError(
+                f"Expects one homogeneous value for {attr_name} but got {values}; pass the same "
+                "value to every FullyShardedDataParallel constructor (and the same environment)"
+            )
+
+
+def _compute_device(
+    params: list[nn.Parameter], module: nn.Module, device_id: torch.device | None
+) -> torch.device:
+    if device_id is not None:
+        return device_id
+    devices = {p.device for p in params} | {b.device for b in module.buffers()}
+    if len(devices) > 1:
+        raise RuntimeError(
+            f"FSDP only supports single device modules but got params on {devices}; move the "
+            "module to one device or pass device_id"
+        )
+    return devices.pop() if devices else torch.device("cpu")
+
+
+def _collect_unit_params(
+    module: nn.Module, excluded: set[nn.Parameter]
+) -> tuple[list[nn.Parameter], list[list[tuple[nn.Module, str]]], list[str]]:
+    """The parameters this unit manages, every (module, attr) that refers to each, and names.
+
+    A parameter belongs to the unit unless a nested unit manages it or an auto-wrapping
+    ancestor keeps it (``excluded``: shared with modules outside this subtree). Parameters
+    shared inside the subtree are managed once, with one owner per referring module.
+    """
+    nested_owners = _nested_unit_owners(module)
+    params: list[nn.Parameter] = []
+    owners: list[list[tuple[nn.Module, str]]] = []
+    fqns: list[str] = []
+    index_of: dict[int, int] = {}
+    for prefix, submodule in module.named_modules(remove_duplicate=False):
+        for name, param in list(submodule._parameters.items()):
+            if param is None or isinstance(param, FlatParameter) or param in excluded:
+                continue
+            fqn = clean_fqn(f"{prefix}.{name}" if prefix else name)
+            if id(param) in nested_owners:
+                if (id(submodule), name) not in nested_owners[id(param)]:
+                    raise ValueError(
+                        f"parameter '{fqn}' is shared with a nested FSDP unit that already "
+                        "manages it, so the two would diverge. Wrap the common ancestor of the "
+                        "modules sharing it instead of one of them, or pass an auto_wrap_policy "
+                        "to the outer unit: auto-wrapping keeps shared parameters in the ancestor"
+                    )
+                continue
+            if id(param) in index_of:
+                slot_owners = owners[index_of[id(param)]]
+                if (submodule, name) not in slot_owners:
+                    slot_owners.append((submodule, name))
+                continue
+            index_of[id(param)] = len(params)
+            params.append(param)
+            owners.append([(submodule, name)])
+            fqns.append(fqn)
+    return params, owners, fqns
+
+
+def _nested_unit_owners(module: nn.Module) -> dict[int, set[tuple[int, str]]]:
+    """For each parameter a nested unit manages, the (module id, attr) pairs it maintains."""
+    result: dict[int, set[tuple[int, str]]] = {}
+    for submodule in module.modules():
+        if not isinstance(submodule, FullyShardedDataParallel) or submodule._handle is None:
+            continue
+        handle = submodule._handle
+        for param, slot_owners in zip(handle.orig_params, handle.owners):
+            result[id(param)] = {(id(m), name) for m, name in slot_owners}
+    return result
+
+
+def _auto_wrap(root: nn.Module, policy: Any, kwargs: dict[str, Any]) -> None:
+    """Wrap the policy's target submodules of ``root`` bottom-up, in place."""
+    from .wrap import resolve_policy
+
+    resolved = resolve_policy(policy)
+    if resolved is None:
+        return
+    targets = resolved._run_policy(root, set(), dict(kwargs))
+    param_owners: dict[int, list[nn.Module]] = {}
+    parents: dict[int, list[tuple[nn.Module, str]]] = {}
+    for submodule in root.modules():
+        for param in submodule._parameters.values():
+            if param is not None:
+                param_owners.setdefault(id(param), []).append(submodule)
+        for name, child in submodule._modules.items():
+            if child is not None:
+                parents.setdefault(id(child), []).append((submodule, name))
+    for target, target_kwargs in targets.items():
+        if target is root or isinstance(target, FullyShardedDataParallel):
+            continue
+        subtree = {id(m) for m in target.modules()}
+        excluded = {
+            param
+            for m in target.modules()
+            for param in m._parameters.values()
+            if param is not None
+            and any(id(owner) not in subtree for owner in param_owners.get(id(param), []))
+        }
+        unit = FullyShardedDataParallel._build_unit(target, {**kwargs, **target_kwargs}, excluded)
+        for parent, name in parents.get(id(target), []):
+            parent._modules[name] = unit
