@@ -25,8 +25,9 @@ from torch.autograd.profiler import record_function
 
 __all__: list[str] = []
 
-# ``reduce_scatter_tensor`` is deprecated in newer torch in favour of ``reduce_scatter_single``.
+# The ``*_tensor`` names are deprecated in newer torch in favour of ``*_single``.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -67,7 +68,7 @@ def all_gather_into(
     num_ranks = dist.get_world_size(group)
     COUNTERS.record("all_gather", label, _tensor_bytes(output) * (num_ranks - 1) / num_ranks)
     with record_function(f"fullshard::all_gather({label})"):
-        work = dist.all_gather_into_tensor(output, shard, group=group, async_op=True)
+        work = _all_gather_single(output, shard, group=group, async_op=True)
     assert work is not None
     return work
 

@@ -158,7 +158,12 @@ class FlatParamHandle:
         self._orig_param_dtype: torch.dtype = params[0].dtype
         self._fwd_bwd_param_dtype: torch.dtype = params[0].dtype
         self._reduce_dtype: torch.dtype = params[0].dtype
-        self._predivide, self._postdivide = gradient_divide_factors(groups.num_data_parallel_ranks)
+        num_dp_ranks = groups.num_data_parallel_ranks
+        if self._reduce_dtype.itemsize >= 4:
+            # Full precision cannot overflow: divide before the sum, exactly as DDP does.
+            self._predivide, self._postdivide = float(num_dp_ranks), 1.0
+        else:
+            self._predivide, self._postdivide = gradient_divide_factors(num_dp_ranks)
         self.flat_param: FlatParameter = self._make_flat_param(params)
         self._unsharded_flat_param: torch.Tensor = self._make_unsharded_leaf()
         self.state = HandleState.SHARDED

@@ -415,6 +415,12 @@ def _nested_unit_owners(module: nn.Module) -> dict[int, set[tuple[int, str]]]:
     return result
 
 
+# Modules that read their children's parameters without calling the children's forward
+# (nn.MultiheadAttention uses `self.out_proj.weight` directly). A unit made of such a child
+# would never be unsharded, so auto-wrapping leaves these children to the enclosing unit.
+_READS_CHILD_PARAMS_DIRECTLY: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+
+
 def _auto_wrap(root: nn.Module, policy: Any, kwargs: dict[str, Any]) -> None:
     """Wrap the policy's target submodules of ``root`` bottom-up, in place."""
     from .wrap import resolve_policy
@@ -432,8 +438,15 @@ def _auto_wrap(root: nn.Module, policy: Any, kwargs: dict[str, Any]) -> None:
         for name, child in submodule._modules.items():
             if child is not None:
                 parents.setdefault(id(child), []).append((submodule, name))
+    leaf_only = {
+        id(m)
+        for container in root.modules()
+        if isinstance(container, _READS_CHILD_PARAMS_DIRECTLY)
+        for m in container.modules()
+        if m is not container
+    }
     for target, target_kwargs in targets.items():
-        if target is root or isinstance(target, FullyShardedDataParallel):
+        if target is root or isinstance(target, FullyShardedDataParallel) or id(target) in leaf_only:
             continue
         subtree = {id(m) for m in target.modules()}
         excluded = {

@@ -1,0 +1,261 @@
+"""Small test models, our own versions of those in torch's ``common_fsdp.py``.
+
+Every model builds its parameters deterministically from ``seed`` (the constructor calls
+``torch.manual_seed(seed)``, as common_fsdp does), so two constructions on any rank are
+identical. ``get_input(device, rank, step)`` draws from a private generator seeded by
+(rank, step): each rank gets different data, as in data parallel training, and the global
+RNG is left alone. ``get_loss(input, output)`` reduces the output to a scalar.
+
+Shapes follow common_fsdp so ported tests keep their numbers:
+
+- :class:`NestedWrappedModule`: Linear(8,4) -> [Linear(4,16) -> Linear(16,16)] ->
+  Linear(16,4) -> Linear(4,8); by hand, common_fsdp wraps ``module.1.0``, ``module.1``
+  and ``module.2`` (see :func:`nested_wrap`).
+- :class:`NonUniformReqGradNWM`: the same, but the last two linears share a container
+  ``module.2`` in which only ``module.2.1`` is trainable.
+- :class:`TransformerWithSharedParams`: embedding (vocab 23, d_model 16) into a 2+2 layer
+  ``nn.Transformer``; the output projection's weight is the embedding's weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "MLP",
+    "DummyProcessGroup",
+    "NestedWrappedModule",
+    "NonUniformReqGradNWM",
+    "ParityModel",
+    "TransformerWithSharedParams",
+    "input_generator",
+    "nested_wrap",
+    "transformer_layer_classes",
+]
+
+
+def input_generator(rank: int, step: int) -> torch.Generator:
+    """A CPU generator seeded from (rank, step): data differs per rank and per step."""
+    return torch.Generator().manual_seed(1 + rank + 65_536 * step)
+
+
+class ParityModel(nn.Module):
+    """The interface the parity routine uses: inputs per (rank, step) and a scalar loss."""
+
+    def get_input(
+        self, device: torch.device | str, rank: int = 0, step: int = 0
+    ) -> tuple[Tensor, ...]:
+        """Positional inputs for ``forward`` for this rank and step, on ``device``."""
+        raise NotImplementedError
+
+    def get_loss(self, input: tuple[Tensor, ...], output: Tensor) -> Tensor:
+        """A scalar loss from the inputs and the forward output."""
+        return output.sum()
+
+
+class NestedWrappedModule(ParityModel):
+    """Four linears, two of them in an inner ``nn.Sequential``: the classic nesting test."""
+
+    WRAP_TARGET_FQNS: tuple[str, ...] = ("module.1.0", "module.1", "module.2")
+    """Children common_fsdp wraps by hand, inner before outer (the order to wrap in)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.module = nn.Sequential(
+            nn.Linear(8, 4),
+            nn.Sequential(nn.Linear(4, 16), nn.Linear(16, 16)),
+            nn.Linear(16, 4),
+            nn.Linear(4, 8),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.module(x)  # (4, 8) -> (4, 8)
+
+    def get_input(
+        self, device: torch.device | str, rank: int = 0, step: int = 0
+    ) -> tuple[Tensor, ...]:
+        """One (4, 8) batch of uniform noise."""
+        return (torch.rand(4, 8, generator=input_generator(rank, step)).to(device),)
+
+    def wrap_targets(self) -> list[nn.Module]:
+        """The submodules common_fsdp wraps by hand, inner before outer."""
+        return [self.get_submodule(fqn) for fqn in self.WRAP_TARGET_FQNS]
+
+
+def nested_wrap(model: NestedWrappedModule, wrap_fn: Callable[[nn.Module], nn.Module]) -> None:
+    """Replace each of ``model``'s wrap targets by ``wrap_fn(target)``, inner first.
+
+    With ``wrap_fn = FSDP`` this builds common_fsdp's "RECURSIVE" NestedWrappedModule; the
+    root itself is left for the caller to wrap (or not).
+    """
+    for fqn in model.WRAP_TARGET_FQNS:
+        parent_fqn, _, name = fqn.rpartition(".")
+        parent = model.get_submodule(parent_fqn)
+        setattr(parent, name, wrap_fn(getattr(parent, name)))
+
+
+class NonUniformReqGradNWM(NestedWrappedModule):
+    """A NestedWrappedModule whose wrap unit ``module.2`` mixes frozen and trainable params.
+
+    Only ``module.2.1`` (the last linear) requires grad; ``module.2.0`` beside it and every
+    other parameter are frozen. With two ranks the trainable params can land on one rank
+    only, which exercises ranks with no trainable shard.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        nn.Module.__init__(self)
+        torch.manual_seed(seed)
+        self.module = nn.Sequential(
+            nn.Linear(8, 4),
+            nn.Sequential(nn.Linear(4, 16), nn.Linear(16, 16)),
+            nn.Sequential(nn.Linear(16, 4), nn.Linear(4, 8)),
+        )
+        for param in self.parameters():
+            param.requires_grad_(False)
+        self.module.get_submodule("2.1").requires_grad_(True)
+
+
+def transformer_layer_classes() -> set[type[nn.Module]]:
+    """The layer classes to give ``ModuleWrapPolicy`` for TransformerWithSharedParams."""
+    return {nn.TransformerEncoderLayer, nn.TransformerDecoderLayer}
+
+
+class TransformerWithSharedParams(ParityModel):
+    """A tiny encoder-decoder transformer with tied input embedding and output projection.
+
+    Dropout is 0 and, like common_fsdp's deterministic mode, the model starts in eval mode
+    (BatchNorm then uses its running statistics), so every run is reproducible.
+    """
+
+    VOCAB = 23
+    D_MODEL = 16
+    BATCH = 2
+
+    def __init__(self, seed: int = 0, add_bn: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed_tokens = nn.Embedding(self.VOCAB, self.D_MODEL)
+        self.transformer = nn.Transformer(
+            d_model=self.D_MODEL,
+            nhead=2,
+            num_encoder_layers=2,
+            num_decoder_layers=2,
+            dim_feedforward=8,
+            dropout=0.0,
+        )
+        self.output_proj = nn.Linear(self.D_MODEL, self.VOCAB)
+        self.output_proj.weight = self.embed_tokens.weight  # tied: one parameter, two users
+        self.register_buffer("vocab_bias", torch.ones(self.D_MODEL))
+        self.register_buffer("long_buffer", torch.zeros(self.D_MODEL, dtype=torch.long))
+        self.bn: nn.Module = nn.BatchNorm1d(self.BATCH) if add_bn else nn.Identity()
+        self.eval()
+
+    def forward(self, src_ids: Tensor, tgt_ids: Tensor) -> Tensor:
+        src = self.embed_tokens(src_ids)  # (S, B, C)
+        src = src + self.vocab_bias + self.long_buffer.type_as(src)
+        tgt = self.bn(self.embed_tokens(tgt_ids))  # (T, B, C)
+        return self.output_proj(self.transformer(src, tgt))  # (T, B, VOCAB)
+
+    def get_input(
+        self, device: torch.device | str, rank: int = 0, step: int = 0
+    ) -> tuple[Tensor, ...]:
+        """Token ids ``src`` (6, 2) and ``tgt`` (4, 2), sequence first."""
+        gen = input_generator(rank, step)
+        src = torch.randint(self.VOCAB, (6, self.BATCH), generator=gen)
+        tgt = torch.randint(self.VOCAB, (4, self.BATCH), generator=gen)
+        return (src.to(device), tgt.to(device))
+
+    def get_loss(self, input: tuple[Tensor, ...], output: Tensor) -> Tensor:
+        """Summed cross entropy of predicting ``tgt`` from the output logits."""
+        _, tgt = input
+        logits = output.view(-1, output.size(-1))  # (T * B, VOCAB)
+        return nn.functional.cross_entropy(logits, tgt.view(-1), reduction="sum")
+
+    def get_ignored_modules(self) -> list[nn.Module]:
+        """The modules common_fsdp's ignored-modules tests leave out of FSDP."""
+        return [self.transformer]
+
+
+class MLP(ParityModel):
+    """in_proj -> relu -> out_proj, with an optional buffer added to the output."""
+
+    def __init__(
+        self,
+        dim: int,
+        seed: int = 0,
+        *,
+        bias: bool = True,
+        with_buffer: bool = False,
+        dim_multiplier: int = 4,
+    ) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.dim = dim
+        self.in_proj = nn.Linear(dim, dim_multiplier * dim, bias=bias)
+        self.out_proj = nn.Linear(dim_multiplier * dim, dim, bias=bias)
+        self.buffer: Tensor | None
+        if with_buffer:
+            self.register_buffer("buffer", torch.randn(dim))
+        else:
+            self.buffer = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        z = self.out_proj(nn.functional.relu(self.in_proj(x)))  # (B, dim)
+        return z if self.buffer is None else z + self.buffer
+
+    def get_input(
+        self, device: torch.device | str, rank: int = 0, step: int = 0
+    ) -> tuple[Tensor, ...]:
+        """One (2, dim) batch of normal noise."""
+        return (torch.randn(2, self.dim, generator=input_generator(rank, step)).to(device),)
+
+
+class _CompletedWork:
+    """A finished collective: ``wait`` returns at once, the future is already set."""
+
+    def wait(self, timeout: object = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future[int]:
+        future: torch.futures.Future[int] = torch.futures.Future()
+        future.set_result(1)
+        return future
+
+
+class DummyProcessGroup:
+    """A stand-in process group: a rank, a size, and collectives that do nothing.
+
+    For unit tests of code that only asks a group its rank and size, or issues a
+    collective whose result does not matter, without initialising torch.distributed.
+    """
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank = rank
+        self._size = size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def allreduce(self, *args: object, **kwargs: object) -> _CompletedWork:
+        """Do nothing and return a completed work (the tensors are left unchanged)."""
+        return _CompletedWork()
+
+    allgather = allreduce
+    broadcast = allreduce
+    reduce_scatter = allreduce
+    barrier = allreduce
+    _allgather_base = allreduce
+    _reduce_scatter_base = allreduce
