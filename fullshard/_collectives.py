@@ -16,7 +16,7 @@ Reduce-scatter, worked example with 2 ranks and a 4-element input::
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +35,7 @@ class CollectiveCounters:
     """Calls and bytes sent per rank, by collective kind, since the last ``reset``."""
 
     calls: Counter[str] = field(default_factory=Counter)
-    bytes_sent: Counter[str] = field(default_factory=Counter)
+    bytes_sent: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     labels: list[tuple[str, str]] = field(default_factory=list)
     """``(kind, label)`` per call in issue order, e.g. ``("all_gather", "layers.3")``."""
 

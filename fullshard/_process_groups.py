@@ -144,7 +144,8 @@ def effective_strategy(strategy: ShardingStrategy, groups: ShardingGroups) -> Sh
         and groups.replicate_size == 1
     ):
         warnings.warn(
-            f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the world size is 1."
+            f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the world size is 1.",
+            stacklevel=4,
         )
         return ShardingStrategy.NO_SHARD
     return strategy

@@ -114,14 +114,21 @@ class RootState:
 
     def prefetch_for_backward(self, unit: UnitRuntime) -> None:
         """Issue the all-gather of the unit that backward reaches after ``unit``."""
-        if self.backward_prefetch != BackwardPrefetch.BACKWARD_PRE or unit not in self.forward_order:
+        if (
+            self.backward_prefetch != BackwardPrefetch.BACKWARD_PRE
+            or unit not in self.forward_order
+        ):
             return
         index = self.forward_order.index(unit)
         if index == 0:
             return
         target = self.forward_order[index - 1]
         handle = target.handle
-        if handle is not None and not target.ran_pre_backward and handle.state == HandleState.SHARDED:
+        if (
+            handle is not None
+            and not target.ran_pre_backward
+            and handle.state == HandleState.SHARDED
+        ):
             handle.unshard()
 
     def finish_backward(self) -> None:
@@ -177,7 +184,9 @@ class UnitRuntime:
         requires_grad = [t for t in iter_tensors(output) if t.requires_grad]
         will_backward = torch.is_grad_enabled() and bool(requires_grad)
         handle = self.handle
-        if handle is not None and (not will_backward or (self.reshard_after_forward and not self.is_root)):
+        if handle is not None and (
+            not will_backward or (self.reshard_after_forward and not self.is_root)
+        ):
             handle.reshard()
         if will_backward:
             for tensor in requires_grad:

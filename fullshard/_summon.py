@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch import nn
@@ -15,10 +16,13 @@ from torch import nn
 from ._runtime import HandleTrainingState, TrainingState
 from .flat_param import HandleState
 
+if TYPE_CHECKING:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel
+
 __all__: list[str] = []
 
 
-def _units(module: nn.Module, recurse: bool) -> list[nn.Module]:
+def _units(module: nn.Module, recurse: bool) -> list[FullyShardedDataParallel]:
     from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 
     if recurse:
@@ -27,7 +31,11 @@ def _units(module: nn.Module, recurse: bool) -> list[nn.Module]:
 
 
 def _validate(
-    units: list[nn.Module], writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
+    units: list[FullyShardedDataParallel],
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
 ) -> None:
     if writeback and rank0_only:
         raise ValueError(

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["ShardingStrategy", "BackwardPrefetch", "CPUOffload", "MixedPrecision"]
+__all__ = ["BackwardPrefetch", "CPUOffload", "MixedPrecision", "ShardingStrategy"]
 
 
 class ShardingStrategy(enum.Enum):

@@ -31,7 +31,7 @@ from ._layout import FlatLayout, ShardPiece, make_layout
 from ._process_groups import ShardingGroups, gradient_divide_factors
 from .api import ShardingStrategy
 
-__all__ = ["FlatParameter", "FlatParamHandle", "HandleState"]
+__all__ = ["FlatParamHandle", "FlatParameter", "HandleState"]
 
 _FSDP_USE_UNSAFE_SETATTR = "FSDP_USE_UNSAFE_SETATTR"
 """When "1", module attributes are swapped without calling the module's ``__setattr__``."""
@@ -196,7 +196,9 @@ class FlatParamHandle:
     def _make_flat_param(self, params: list[nn.Parameter]) -> FlatParameter:
         layout = self.layout
         with torch.no_grad():
-            flat = torch.empty(layout.padded_numel, dtype=self._orig_param_dtype, device=self.device)
+            flat = torch.empty(
+                layout.padded_numel, dtype=self._orig_param_dtype, device=self.device
+            )
             flat[layout.numel :].zero_()
             for slot, param in zip(layout.slots, params):
                 flat[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))

@@ -13,15 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ._process_groups import ShardingGroups, effective_strategy, resolve_groups
 from ._runtime import RootState, TrainingState, UnitRuntime, map_tensors
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from .flat_param import FlatParameter, FlatParamHandle, HandleState
+from .flat_param import FlatParameter, FlatParamHandle
 
-__all__ = ["FullyShardedDataParallel", "FSDP_WRAPPED_MODULE", "HOMOGENEOUS_ATTR_NAMES"]
+__all__ = ["FSDP_WRAPPED_MODULE", "HOMOGENEOUS_ATTR_NAMES", "FullyShardedDataParallel"]
 
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
@@ -87,9 +86,22 @@ def _resolve_device_id(device_id: int | torch.device | None) -> torch.device | N
 
 
 _CONSTRUCTOR_OPTIONS = frozenset(
-    "process_group sharding_strategy cpu_offload backward_prefetch mixed_precision "
-    "ignored_modules param_init_fn device_id sync_module_states forward_prefetch "
-    "limit_all_gathers use_orig_params ignored_states device_mesh".split()
+    [
+        "process_group",
+        "sharding_strategy",
+        "cpu_offload",
+        "backward_prefetch",
+        "mixed_precision",
+        "ignored_modules",
+        "param_init_fn",
+        "device_id",
+        "sync_module_states",
+        "forward_prefetch",
+        "limit_all_gathers",
+        "use_orig_params",
+        "ignored_states",
+        "device_mesh",
+    ]
 )
 
 
@@ -103,9 +115,7 @@ def _resolve_settings(kwargs: dict[str, Any]) -> _Settings:
     _check_supported(kwargs)
     strategy = kwargs.get("sharding_strategy") or ShardingStrategy.FULL_SHARD
     if not isinstance(strategy, ShardingStrategy):
-        raise TypeError(
-            f"sharding_strategy must be a fullshard.ShardingStrategy, got {strategy!r}"
-        )
+        raise TypeError(f"sharding_strategy must be a fullshard.ShardingStrategy, got {strategy!r}")
     groups = resolve_groups(strategy, kwargs.get("process_group"), kwargs.get("device_mesh"))
     prefetch = kwargs.get("backward_prefetch", BackwardPrefetch.BACKWARD_PRE)
     if prefetch is not None and not isinstance(prefetch, BackwardPrefetch):
@@ -269,7 +279,11 @@ class FullyShardedDataParallel(nn.Module):
 
     def _lazy_init(self) -> None:
         """Make this unit the root of every unit below it (at its first forward)."""
-        units = [(clean_fqn(name), m) for name, m in self.named_modules() if isinstance(m, FullyShardedDataParallel)]
+        units = [
+            (clean_fqn(name), m)
+            for name, m in self.named_modules()
+            if isinstance(m, FullyShardedDataParallel)
+        ]
         _check_homogeneous([m for _, m in units])
         for fqn, unit in units:
             if unit is not self and unit._runtime.training_state != TrainingState.IDLE:
@@ -446,7 +460,11 @@ def _auto_wrap(root: nn.Module, policy: Any, kwargs: dict[str, Any]) -> None:
         if m is not container
     }
     for target, target_kwargs in targets.items():
-        if target is root or isinstance(target, FullyShardedDataParallel) or id(target) in leaf_only:
+        if (
+            target is root
+            or isinstance(target, FullyShardedDataParallel)
+            or id(target) in leaf_only
+        ):
             continue
         subtree = {id(m) for m in target.modules()}
         excluded = {

@@ -49,8 +49,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import pytest
     from multiprocessing.process import BaseProcess
+
+    import pytest
 
 __all__ = [
     "RankError",
@@ -196,7 +197,7 @@ def _install_assert_rewriting() -> None:
         import _pytest.assertion.rewrite  # noqa: F401
     except ImportError:
         return
-    sys.meta_path.insert(0, _AssertRewritingFinder())  # type: ignore[arg-type]
+    sys.meta_path.insert(0, _AssertRewritingFinder())
 
 
 def _setup_torch(rank: int, world_size: int, workdir: str) -> Any:
@@ -211,7 +212,7 @@ def _setup_torch(rank: int, world_size: int, workdir: str) -> Any:
 
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
-    store = dist.FileStore(str(Path(workdir) / "store"), world_size)
+    store = dist.FileStore(str(Path(workdir) / "store"), world_size)  # type: ignore[attr-defined]
     _init_default_group(store, rank, world_size, prefix="start")
     return store
 
@@ -224,7 +225,7 @@ def _init_default_group(store: Any, rank: int, world_size: int, prefix: str) -> 
 
     dist.init_process_group(
         backend="gloo",
-        store=dist.PrefixStore(prefix, store),
+        store=dist.PrefixStore(prefix, store),  # type: ignore[attr-defined]
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=PG_TIMEOUT_S),
@@ -372,8 +373,9 @@ class _Pool:
         if failed or stuck:
             raise self._failure("pool startup", replies, stuck, STARTUP_TIMEOUT_S)
 
-    def run(self, call_name: str, payload: bytes, env: dict[str, str] | None,
-            timeout: float) -> tuple[list[Any], str | None]:
+    def run(
+        self, call_name: str, payload: bytes, env: dict[str, str] | None, timeout: float
+    ) -> tuple[list[Any], str | None]:
         """Send one call to every worker; return (results by rank, skip reason), or raise.
 
         The skip reason is not None when some rank called ``pytest.skip`` and none failed.
@@ -427,8 +429,9 @@ class _Pool:
             return _Reply("skip", text=message[1])
         return _Reply("err", exc_type=message[1], text=message[2])
 
-    def _failure(self, call_name: str, replies: dict[int, _Reply], stuck: list[int],
-                 timeout: float) -> RankError:
+    def _failure(
+        self, call_name: str, replies: dict[int, _Reply], stuck: list[int], timeout: float
+    ) -> RankError:
         """Recover (reset the group, or kill the pool) and build the error to raise.
 
         If every rank answered, the workers are kept and only the default group is

@@ -149,6 +149,8 @@ class TransformerWithSharedParams(ParityModel):
         )
         self.output_proj = nn.Linear(self.D_MODEL, self.VOCAB)
         self.output_proj.weight = self.embed_tokens.weight  # tied: one parameter, two users
+        self.vocab_bias: Tensor
+        self.long_buffer: Tensor
         self.register_buffer("vocab_bias", torch.ones(self.D_MODEL))
         self.register_buffer("long_buffer", torch.zeros(self.D_MODEL, dtype=torch.long))
         self.bn: nn.Module = nn.BatchNorm1d(self.BATCH) if add_bn else nn.Identity()

@@ -32,7 +32,7 @@ def check_ddp_parity(
     fsdp_fn: Callable[[nn.Module], nn.Module],
     num_steps: int = 5,
     lr: float = 1e-2,
-    optim_cls: type[torch.optim.Optimizer] = torch.optim.Adam,
+    optim_cls: Callable[..., torch.optim.Optimizer] = torch.optim.Adam,
     rtol: float = 1e-5,
     atol: float = 1e-5,
     grad_accum: int | None = None,
@@ -83,12 +83,9 @@ def check_ddp_parity(
         inputs = [inputs_of(rank, step * num_micro + i) for i in range(num_micro)]
         ref_losses = _train_step(ref, ref_optim, inputs, loss_of, use_no_sync)
         fsdp_losses = _train_step(fsdp, fsdp_optim, inputs, loss_of, use_no_sync)
-        for micro, (fsdp_loss, ref_loss) in enumerate(zip(fsdp_losses, ref_losses)):
-            torch.testing.assert_close(
-                fsdp_loss, ref_loss, rtol=rtol, atol=atol,
-                msg=lambda m: f"rank {rank} step {step} micro-batch {micro}: loss "
-                f"differs from DDP's\n{m}",  # noqa: B023 (evaluated inside the loop)
-            )
+        for micro, (fsdp_loss, ref_loss) in enumerate(zip(fsdp_losses, ref_losses, strict=True)):
+            where = f"rank {rank} step {step} micro-batch {micro}: loss differs from DDP's"
+            _assert_close(fsdp_loss, ref_loss, rtol, atol, where)
         step_losses.append(sum(loss.item() for loss in fsdp_losses))
     _assert_params_match(fsdp, ref.module, fsdp_cls, rtol, atol, rank)
     return step_losses
@@ -169,7 +166,11 @@ def _maybe_no_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
 
 
 def _assert_params_match(
-    fsdp: nn.Module, ref: nn.Module, fsdp_cls: type[nn.Module], rtol: float, atol: float,
+    fsdp: nn.Module,
+    ref: nn.Module,
+    fsdp_cls: type[nn.Module],
+    rtol: float,
+    atol: float,
     rank: int,
 ) -> None:
     """Gather FSDP's full parameters and compare names and values with the reference."""
@@ -183,8 +184,13 @@ def _assert_params_match(
         f"rank {rank}: parameter names under summon_full_params differ from the local "
         f"model's\n  fsdp: {fsdp_fqns}\n  ref:  {ref_fqns}"
     )
-    for (fqn, fsdp_param), (_, ref_param) in zip(fsdp_named, ref_named):
-        torch.testing.assert_close(
-            fsdp_param, ref_param.detach(), rtol=rtol, atol=atol,
-            msg=lambda m: f"rank {rank}: parameter {fqn} differs from DDP's\n{m}",  # noqa: B023
-        )
+    for (fqn, fsdp_param), (_, ref_param) in zip(fsdp_named, ref_named, strict=True):
+        where = f"rank {rank}: parameter {fqn} differs from DDP's"
+        _assert_close(fsdp_param, ref_param.detach(), rtol, atol, where)
+
+
+def _assert_close(actual: Tensor, expected: Tensor, rtol: float, atol: float, where: str) -> None:
+    """``torch.testing.assert_close`` with ``where`` (rank, step, name) leading the message."""
+    torch.testing.assert_close(
+        actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{where}\n{m}"
+    )

@@ -8,6 +8,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
+
+from fullshard import FullyShardedDataParallel as FSDP
+from fullshard import ShardingStrategy
+from fullshard.wrap import ModuleWrapPolicy, always_wrap_policy
 from harness import run_on_ranks
 from models import (
     NestedWrappedModule,
@@ -16,11 +21,6 @@ from models import (
     transformer_layer_classes,
 )
 from parity import check_ddp_parity
-from torch import nn
-
-from fullshard import FullyShardedDataParallel as FSDP
-from fullshard import ShardingStrategy
-from fullshard.wrap import ModuleWrapPolicy, always_wrap_policy
 
 MODELS: dict[str, type[nn.Module]] = {
     "nested": NestedWrappedModule,
@@ -103,7 +103,9 @@ def _run_parity(
 @pytest.mark.parametrize("nesting", NESTINGS)
 @pytest.mark.parametrize("strategy", FLAT_STRATEGIES + HYBRID_STRATEGIES)
 @pytest.mark.parametrize("model_name", list(MODELS))
-def test_ddp_parity_two_ranks(model_name: str, strategy: str, nesting: str, use_orig_params: bool) -> None:
+def test_ddp_parity_two_ranks(
+    model_name: str, strategy: str, nesting: str, use_orig_params: bool
+) -> None:
     """5 Adam steps match DDP's losses and parameters (rtol/atol 1e-5) on 2 ranks."""
     losses = run_on_ranks(2, _run_parity, model_name, nesting, strategy, use_orig_params)
     assert all(len(rank_losses) == 5 for rank_losses in losses)

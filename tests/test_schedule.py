@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_on_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -16,6 +15,7 @@ from fullshard import FullyShardedDataParallel as FSDP
 from fullshard import ShardingStrategy
 from fullshard._collectives import COUNTERS
 from fullshard.wrap import ModuleWrapPolicy
+from harness import run_on_ranks
 
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
 
