@@ -43,11 +43,17 @@ def _validate(
             "will be different across ranks, and writing to them can lead to inconsistencies "
             "across ranks when the context is exited."
         )
-    if with_grads:
-        raise NotImplementedError(
-            "fullshard does not support summon_full_params(with_grads=True) yet"
+    if with_grads and rank0_only:
+        raise ValueError(
+            "summon_full_params(with_grads=True, rank0_only=True) is not supported: gather "
+            "gradients on every rank (rank0_only=False)"
         )
     for unit in units:
+        if with_grads and not unit._use_orig_params:
+            raise ValueError(
+                "summon_full_params(with_grads=True) is only supported with "
+                "use_orig_params=True; construct FullyShardedDataParallel with it"
+            )
         runtime = unit._runtime
         if runtime.training_state == TrainingState.SUMMON_FULL_PARAMS:
             raise RuntimeError("summon_full_params is already active on this module")
@@ -88,6 +94,8 @@ def summon(
         if expose:
             for handle in handles:
                 handle.expose_unsharded_params()
+                if with_grads:
+                    handle.expose_unsharded_grads()
         yield
     finally:
         for handle in handles:

@@ -438,6 +438,29 @@ class FlatParamHandle:
             for module, name in slot_owners:
                 _assign_param(module, name, exposed, self._unsafe_setattr)
 
+    def expose_unsharded_grads(self) -> None:
+        """``use_orig_params``: point each original ``.grad`` at its full gradient.
+
+        Collective: every rank all-gathers its sharded gradient (zeros where it has none);
+        if no rank has a gradient, the gradients stay None.
+        """
+        self._assert_state(HandleState.UNSHARDED, "expose_unsharded_grads")
+        assert self._use_orig_params, "summon_full_params(with_grads=True) needs use_orig_params"
+        flat_grad = self.flat_param.grad
+        has_grad = torch.tensor([float(flat_grad is not None)], device=self.device)
+        dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=self.groups.shard)
+        if not has_grad.item():
+            return
+        if flat_grad is None:
+            flat_grad = torch.zeros_like(self.flat_param)
+        full_grad = flat_grad
+        if self.uses_sharded_strategy:
+            full_grad = flat_grad.new_empty(self.layout.padded_numel)
+            comm.all_gather_into(full_grad, flat_grad, self.groups.shard, self.label).wait()
+        pieces = torch.split(full_grad[: self.layout.numel], self.layout.numels)
+        for param, piece, slot in zip(self._orig_params, pieces, self.layout.slots):
+            param.grad = piece.view(slot.shape) if slot.requires_grad else None
+
     def hide_unsharded_params(self, writeback: bool) -> None:
         """Undo ``expose_unsharded_params``; with ``writeback`` keep edits made to them."""
         self._assert_state(HandleState.UNSHARDED, "hide_unsharded_params")
@@ -450,3 +473,5 @@ class FlatParamHandle:
                 for module, name in slot_owners:
                     _assign_plain(module, name, view.detach(), self._unsafe_setattr)
         self.reshard()
+        if self._use_orig_params:
+            self._use_sharded_grad_views()

@@ -208,3 +208,31 @@ def test_gradient_accumulation_equals_concatenated_batch(
 ) -> None:
     """Accumulating two micro-batches (with or without no_sync) equals one larger batch."""
     run_on_ranks(2, _accumulation, strategy, use_orig_params, use_no_sync)
+
+
+def _summon_with_grads(strategy: str) -> None:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    local = Stack()
+    ref = DDP(copy.deepcopy(local))
+    model = FSDP(
+        local,
+        sharding_strategy=ShardingStrategy[strategy],
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        use_orig_params=True,
+    )
+    x = torch.randn(4, 7, generator=torch.Generator().manual_seed(rank))
+    ref(x).sum().backward()
+    model(x).sum().backward()
+    with FSDP.summon_full_params(model, with_grads=True):
+        for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
+            assert p.grad is not None and p.grad.shape == q.shape, name
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}: {m}")  # noqa: B023
+    for p in model.parameters():  # back to sharded gradient views
+        assert p.grad is not None and p.grad.shape == p.shape
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_summon_full_params_with_grads_matches_ddp_grads(strategy: str) -> None:
+    """summon_full_params(with_grads=True) shows the full averaged gradients."""
+    run_on_ranks(2, _summon_with_grads, strategy)
