@@ -156,6 +156,8 @@ class UnitRuntime:
         self.sync_gradients = True
         """False inside `no_sync()`: keep accumulating unsharded gradients locally."""
         self.ran_pre_backward = False
+        self.exposes_full_params = False
+        """True inside `summon_full_params` where this rank sees the full parameters."""
         self._post_backward_hook = (
             handle.register_post_backward_hook(self.post_backward) if handle is not None else None
         )

@@ -87,9 +87,13 @@ def summon(
     for handle in handles:
         handle.wait_unshard()
     expose = not rank0_only or dist.get_rank() == 0
+    if not expose:  # rank0_only: the other ranks only took part in the all-gathers
+        for handle in handles:
+            handle.reshard()
     for unit in units:
         unit._runtime.training_state = TrainingState.SUMMON_FULL_PARAMS
         unit._runtime.handle_training_state = HandleTrainingState.SUMMON_FULL_PARAMS
+        unit._runtime.exposes_full_params = expose
     try:
         if expose:
             for handle in handles:
@@ -98,11 +102,10 @@ def summon(
                     handle.expose_unsharded_grads()
         yield
     finally:
-        for handle in handles:
-            if expose:
+        if expose:
+            for handle in handles:
                 handle.hide_unsharded_params(writeback)
-            else:
-                handle.reshard()
         for unit in units:
+            unit._runtime.exposes_full_params = False
             unit._runtime.training_state = TrainingState.IDLE
             unit._runtime.handle_training_state = HandleTrainingState.IDLE

@@ -206,8 +206,7 @@ class FlatParamHandle:
             local_shard = flat[start:end].clone() if self.uses_sharded_strategy else flat
         full_param_padded = torch.empty(0, dtype=local_shard.dtype, device=self.device)
         if self.uses_sharded_strategy:
-            full_param_padded = torch.empty_like(flat)
-            full_param_padded.untyped_storage().resize_(0)
+            full_param_padded = torch.empty_like(flat)  # freed once the leaf is made over it
         requires_grad = any(p.requires_grad for p in params)
         return FlatParameter.from_shard(local_shard, full_param_padded, requires_grad)
 
@@ -219,7 +218,11 @@ class FlatParamHandle:
             else self.flat_param._local_shard
         )
         leaf = torch.empty(0, dtype=source.dtype, device=source.device)
+        # `set_` grows a storage too small for the sizes, so the storage must still be
+        # allocated here; it is freed right after.
         leaf.set_(source.untyped_storage(), 0, (self.layout.numel,), (1,))
+        if self.uses_sharded_strategy:
+            source.untyped_storage().resize_(0)
         return leaf.requires_grad_(self.flat_param.requires_grad)
 
     def _release_orig_params(self) -> None:
@@ -431,10 +434,11 @@ class FlatParamHandle:
         self._assert_state(HandleState.UNSHARDED, "expose_unsharded_params")
         views = [v.detach() for v in self._unsharded_views()]
         for param, view, slot_owners in zip(self._orig_params, views, self._owners):
+            exposed = param
             if self._use_orig_params:
                 param.data = view
-                continue
-            exposed = nn.Parameter(view, requires_grad=param.requires_grad)
+            else:
+                exposed = nn.Parameter(view, requires_grad=param.requires_grad)
             for module, name in slot_owners:
                 _assign_param(module, name, exposed, self._unsafe_setattr)
 

@@ -247,9 +247,9 @@ class FullyShardedDataParallel(nn.Module):
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
         """Inside ``summon_full_params``, the local model's names and full parameters."""
-        in_summon = self._runtime.training_state == TrainingState.SUMMON_FULL_PARAMS
+        exposed = self._runtime.exposes_full_params
         for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
-            if in_summon:
+            if exposed:
                 if isinstance(param, FlatParameter):
                     continue
                 name = clean_fqn(name)

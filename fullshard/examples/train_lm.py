@@ -64,14 +64,19 @@ class TrainConfig:
 
 def parse_args(argv: list[str] | None) -> TrainConfig:
     """Parse and validate the command line; errors exit through argparse."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per rank a step")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--warmup-steps", type=int, default=20)
     parser.add_argument("--weight-decay", type=float, default=0.01)
-    parser.add_argument("--grad-clip", type=float, default=1.0, help="max grad norm; 0 disables")
+    parser.add_argument(
+        "--grad-clip",
+        type=float,
+        default=0.0,
+        help="max grad norm (FSDP.clip_grad_norm_, which lands with the mixed-precision work); 0 disables",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sharding-strategy", choices=_STRATEGIES, default="FULL_SHARD")
     parser.add_argument("--use-orig-params", action="store_true")
@@ -82,7 +87,8 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
     parser.add_argument("--n-layers", type=int, default=4)
     parser.add_argument("--n-heads", type=int, default=4)
     args = parser.parse_args(argv)
-    for name in ("steps", "batch_size", "seq_len", "d_model", "n_layers", "n_heads"):
+    positive = ("steps", "batch_size", "seq_len", "eval_batches", "d_model", "n_layers", "n_heads")
+    for name in positive:
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -231,7 +237,10 @@ def train(config: TrainConfig, device: torch.device) -> int:
     split = int(corpus.numel() * 0.95)
     train_data, heldout_data = corpus[:split], corpus[split:]
     if heldout_data.numel() <= config.seq_len + 1:
-        raise ValueError(f"corpus of {corpus.numel()} bytes is too small for --seq-len")
+        raise ValueError(
+            f"the corpus ({corpus.numel()} bytes) is too small for --seq-len {config.seq_len}: "
+            "its last 5% is held out and must hold one sequence; pass a larger --data file"
+        )
     model = build_model(config, device)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
@@ -240,9 +249,12 @@ def train(config: TrainConfig, device: torch.device) -> int:
     tokens_per_step = config.batch_size * config.seq_len * world_size
     logger.info(
         "%d ranks, %s, use_orig_params=%s, %s train bytes, %d tokens/step",
-        world_size, config.sharding_strategy.name, config.use_orig_params,
-        f"{train_data.numel():,}", tokens_per_step,
-    )  # fmt: skip
+        world_size,
+        config.sharding_strategy.name,
+        config.use_orig_params,
+        f"{train_data.numel():,}",
+        tokens_per_step,
+    )
     losses: list[float] = []
     start = time.perf_counter()
     for step in range(config.steps):
@@ -254,9 +266,12 @@ def train(config: TrainConfig, device: torch.device) -> int:
         losses.append(global_mean(loss))
         tokens_per_s = tokens_per_step / (time.perf_counter() - step_start)
         logger.info(
-            "step %4d/%d | loss %.4f | %8.0f tok/s", step + 1, config.steps, losses[-1],
+            "step %4d/%d | loss %.4f | %8.0f tok/s",
+            step + 1,
+            config.steps,
+            losses[-1],
             tokens_per_s,
-        )  # fmt: skip
+        )
     wall_s = time.perf_counter() - start
     heldout_loss = evaluate(model, heldout_data, config, device)
     return report(losses, heldout_loss, wall_s)
