@@ -16,6 +16,10 @@ Worker stdout/stderr (Python and C++) go to one file per rank; after each call t
 harness copies the new part to this process's stdout, so pytest shows it for failing
 tests, and puts the tail of a failing rank's output into the error message.
 
+Functions are pickled by reference, so they must be module-level functions of an importable
+module; a script (not pytest) that calls :func:`run_on_ranks` needs the usual
+``if __name__ == "__main__":`` guard, because spawned workers re-import the main module.
+
 Usage::
 
     def _check_sum(scale: float) -> float:  # module level: pickled by reference
@@ -54,8 +58,11 @@ if TYPE_CHECKING:
     import pytest
 
 __all__ = [
+    "REPO_ROOT",
+    "TESTS_DIR",
     "RankError",
     "RankTimeoutError",
+    "pool_pids",
     "requires_cuda_gpus",
     "run_on_ranks",
     "shutdown_pool",
@@ -212,7 +219,8 @@ def _setup_torch(rank: int, world_size: int, workdir: str) -> Any:
 
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
-    store = dist.FileStore(str(Path(workdir) / "store"), world_size)  # type: ignore[attr-defined]
+    store_path = str(Path(workdir) / "store")
+    store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined, unused-ignore]
     _init_default_group(store, rank, world_size, prefix="start")
     return store
 
@@ -225,7 +233,7 @@ def _init_default_group(store: Any, rank: int, world_size: int, prefix: str) -> 
 
     dist.init_process_group(
         backend="gloo",
-        store=dist.PrefixStore(prefix, store),  # type: ignore[attr-defined]
+        store=dist.PrefixStore(prefix, store),  # type: ignore[attr-defined, unused-ignore]
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=PG_TIMEOUT_S),
@@ -327,6 +335,7 @@ def _reset_process_state(cwd: str) -> None:
     torch.set_default_device(None)
     torch.set_grad_enabled(True)
     torch.use_deterministic_algorithms(False)
+    torch.autograd.set_detect_anomaly(False)
     torch.set_num_threads(1)
     os.chdir(cwd)
 
@@ -346,18 +355,30 @@ class _Pool:
         self._out_offsets = [0] * world_size
         self.conns: list[Connection] = []
         self.procs: list[BaseProcess] = []
+        try:
+            self._start_workers()
+        except BaseException:
+            self.discard()
+            raise
+
+    def _start_workers(self) -> None:
+        """Spawn one worker per rank, each with its end of a pipe."""
         context = multiprocessing.get_context("spawn")
-        for rank in range(world_size):
+        for rank in range(self.world_size):
             parent_conn, child_conn = context.Pipe()
             proc = context.Process(
                 target=_worker_main,
-                args=(rank, world_size, child_conn, self.workdir),
+                args=(rank, self.world_size, child_conn, self.workdir),
                 name=f"fullshard-rank{rank}",
             )
-            proc.start()
-            child_conn.close()  # so the parent sees EOF when the worker dies
             self.conns.append(parent_conn)
+            proc.start()
             self.procs.append(proc)
+            child_conn.close()  # so the parent sees EOF when the worker dies
+
+    def all_alive(self) -> bool:
+        """Whether every worker process is still running (none crashed between calls)."""
+        return all(proc.is_alive() for proc in self.procs)
 
     @property
     def pids(self) -> list[int | None]:
@@ -371,7 +392,7 @@ class _Pool:
         failed = {rank: r for rank, r in replies.items() if r.kind != "ok"}
         stuck = [rank for rank in range(self.world_size) if rank not in replies]
         if failed or stuck:
-            raise self._failure("pool startup", replies, stuck, STARTUP_TIMEOUT_S)
+            raise self._failure("pool startup", replies, stuck, STARTUP_TIMEOUT_S, may_keep=False)
 
     def run(
         self, call_name: str, payload: bytes, env: dict[str, str] | None, timeout: float
@@ -427,20 +448,27 @@ class _Pool:
             return _Reply("ok", payload=message[1])
         if kind == "skip":
             return _Reply("skip", text=message[1])
-        return _Reply("err", exc_type=message[1], text=message[2])
+        if kind == "err":
+            return _Reply("err", exc_type=message[1], text=message[2])
+        return _Reply("err", exc_type="HarnessProtocolError", text=f"unexpected {message!r}")
 
     def _failure(
-        self, call_name: str, replies: dict[int, _Reply], stuck: list[int], timeout: float
+        self,
+        call_name: str,
+        replies: dict[int, _Reply],
+        stuck: list[int],
+        timeout: float,
+        may_keep: bool = True,
     ) -> RankError:
         """Recover (reset the group, or kill the pool) and build the error to raise.
 
-        If every rank answered, the workers are kept and only the default group is
-        re-created; a stuck or dead rank, or a reset that fails, kills the pool.
+        If every rank answered (and ``may_keep``), the workers are kept and only the
+        default group is re-created; a stuck or dead rank, or a failed reset, kills the pool.
         """
         stacks = self._dump_stacks(stuck)
         failed = {rank: r for rank, r in replies.items() if r.kind in ("err", "dead")}
         dead = any(r.kind == "dead" for r in failed.values())
-        kept = not stuck and not dead and self._reset_group()
+        kept = may_keep and not stuck and not dead and self._reset_group()
         if not kept:
             self.kill()
         outputs = self._read_new_output()
@@ -474,8 +502,11 @@ class _Pool:
     def _reset_group(self) -> bool:
         """Have every worker re-create its default group; True if all did in time."""
         self.calls += 1
-        for conn in self.conns:
-            conn.send(("reset", self.calls))
+        try:
+            for conn in self.conns:
+                conn.send(("reset", self.calls))
+        except OSError:  # a worker died after answering
+            return False
         replies = self._collect(RESET_TIMEOUT_S, ready_kind="ready")
         ranks_ok = [rank for rank, reply in replies.items() if reply.kind == "ok"]
         return len(ranks_ok) == self.world_size
@@ -581,7 +612,7 @@ def _get_pool(world_size: int) -> _Pool:
     """The live pool for ``world_size``, replacing a pool of another size."""
     __tracebackhide__ = True
     global _POOL
-    if _POOL is not None and _POOL.world_size != world_size:
+    if _POOL is not None and (_POOL.world_size != world_size or not _POOL.all_alive()):
         shutdown_pool()
     if _POOL is None:
         pool = _Pool(world_size)
