@@ -1,0 +1,26 @@
+"""CUDA/NCCL: the same engine on GPUs. Skipped, with the reason, where GPUs are missing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from harness import requires_cuda_gpus
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@requires_cuda_gpus(2)
+def test_main_job_trains_on_two_gpus_with_nccl() -> None:
+    """The LM example trains under NCCL on 2 GPUs with FULL_SHARD and its loss falls."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "-m", "fullshard.examples.train_lm", "--device", "cuda", "--steps", "40",
+    ]  # fmt: skip
+    result = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=dict(os.environ)
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "final loss" in result.stdout
