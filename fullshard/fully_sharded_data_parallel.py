@@ -301,6 +301,14 @@ class FullyShardedDataParallel(nn.Module):
             self._lazy_init()
         return bool(self._runtime.is_root)
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradient norm over every rank's shards (not built yet)."""
+        raise NotImplementedError(
+            "fullshard does not support FullyShardedDataParallel.clip_grad_norm_ yet (it lands "
+            "with mixed precision); torch.nn.utils.clip_grad_norm_ would see only this rank's "
+            "shards, so do not use it as a substitute"
+        )
+
     # -- public static methods ----------------------------------------------------------------
 
     @staticmethod
