@@ -246,12 +246,14 @@ class FullyShardedDataParallel(nn.Module):
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
-        """Inside ``summon_full_params``, the local model's names and full parameters."""
+        """Inside ``summon_full_params``, names without wrapper prefixes (torch's behaviour);
+        where this rank sees the full parameters, those instead of the flat parameters."""
+        in_summon = self._runtime.training_state == TrainingState.SUMMON_FULL_PARAMS
         exposed = self._runtime.exposes_full_params
         for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
-            if exposed:
-                if isinstance(param, FlatParameter):
-                    continue
+            if exposed and isinstance(param, FlatParameter):
+                continue
+            if in_summon:
                 name = clean_fqn(name)
             yield name, param
 
