@@ -167,18 +167,19 @@ def _after_backward_only(strategy: str) -> None:
         _check_resharded(model, f"after backward {step}")
 
 
-def _accumulation(strategy: str, use_orig_params: bool, use_no_sync: bool) -> None:
-    """Two micro-batches accumulated, then one SGD step, against DDP on the concatenation."""
-    rank = dist.get_rank()
+def _ddp_and_fsdp(strategy: str, use_orig_params: bool) -> tuple[DDP, FSDP]:
+    """The same Stack under DDP and under FSDP (one unit per Block)."""
     torch.manual_seed(0)
     local = Stack()
     ref = DDP(copy.deepcopy(local))
-    model = FSDP(
-        local,
-        sharding_strategy=ShardingStrategy[strategy],
-        auto_wrap_policy=ModuleWrapPolicy({Block}),
-        use_orig_params=use_orig_params,
-    )
+    model = _wrapped_stack(strategy, use_orig_params=use_orig_params)
+    return ref, model
+
+
+def _accumulation(strategy: str, use_orig_params: bool, use_no_sync: bool) -> None:
+    """Two micro-batches accumulated, then one SGD step, against DDP on the concatenation."""
+    rank = dist.get_rank()
+    ref, model = _ddp_and_fsdp(strategy, use_orig_params)
     ref_optim = torch.optim.SGD(ref.parameters(), lr=0.1)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(2):
@@ -212,15 +213,7 @@ def test_gradient_accumulation_equals_concatenated_batch(
 
 def _summon_with_grads(strategy: str) -> None:
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    local = Stack()
-    ref = DDP(copy.deepcopy(local))
-    model = FSDP(
-        local,
-        sharding_strategy=ShardingStrategy[strategy],
-        auto_wrap_policy=ModuleWrapPolicy({Block}),
-        use_orig_params=True,
-    )
+    ref, model = _ddp_and_fsdp(strategy, use_orig_params=True)
     x = torch.randn(4, 7, generator=torch.Generator().manual_seed(rank))
     ref(x).sum().backward()
     model(x).sum().backward()
