@@ -18,7 +18,11 @@ HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHA
 
 # Default hybrid groups, created once per (default group, local world size): building them
 # calls `new_group` on every rank, and hand-nested units must share one set of groups.
-_DEFAULT_HYBRID_GROUPS: dict[tuple[int, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+# Keyed by the group object itself (not its id), so a re-initialised default group never
+# finds the groups of a destroyed one.
+_DEFAULT_HYBRID_GROUPS: dict[
+    tuple[dist.ProcessGroup, int], tuple[dist.ProcessGroup, dist.ProcessGroup]
+] = {}
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,9 @@ def _default_hybrid_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
             f"local world size ({local_size}); pass process_group=(shard_group, "
             "replicate_group) or a 2-D device_mesh instead"
         )
-    key = (id(dist.group.WORLD), local_size)
+    world = dist.group.WORLD
+    assert world is not None
+    key = (world, local_size)
     if key in _DEFAULT_HYBRID_GROUPS:
         return _DEFAULT_HYBRID_GROUPS[key]
     rank = dist.get_rank()
