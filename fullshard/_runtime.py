@@ -98,6 +98,9 @@ class RootState:
         """Units with parameters, in the order their forward first ran this step."""
         self.pending_reductions: list[UnitRuntime] = []
         self.end_of_backward_queued = False
+        self.buffers_full_precision: bool | None = None
+        """Whether buffers are in their own dtype (True) or in ``buffer_dtype`` (False);
+        None before the first forward casts them."""
 
     def begin_forward(self) -> None:
         self.forward_order = []
@@ -129,7 +132,7 @@ class RootState:
             and not target.ran_pre_backward
             and handle.state == HandleState.SHARDED
         ):
-            handle.unshard()
+            handle.unshard(target.full_precision)
 
     def finish_backward(self) -> None:
         """Wait for every reduction, finalise sharded gradients, reshard everything."""
@@ -158,9 +161,11 @@ class UnitRuntime:
         self.ran_pre_backward = False
         self.exposes_full_params = False
         """True inside `summon_full_params` where this rank sees the full parameters."""
-        self._post_backward_hook = (
-            handle.register_post_backward_hook(self.post_backward) if handle is not None else None
-        )
+        self.full_precision = False
+        """This step's forward runs in the parameters' own dtype despite mixed precision
+        (eval with FSDP_USE_FULL_PREC_IN_EVAL=1); backward follows the forward."""
+        if handle is not None:
+            handle.register_post_backward_hook(self.post_backward)
 
     @property
     def root(self) -> RootState:
@@ -168,17 +173,20 @@ class UnitRuntime:
             raise RuntimeError("fullshard internal error: unit used before lazy initialisation")
         return self.root_state
 
-    def pre_forward(self) -> None:
+    def pre_forward(self, full_precision: bool = False) -> None:
         if self.is_root:
             self.root.begin_forward()
         self.training_state = TrainingState.FORWARD_BACKWARD
         self.handle_training_state = HandleTrainingState.FORWARD
+        self.full_precision = full_precision
         handle = self.handle
         if handle is None:
             return
         self.root.record_forward(self)
+        if handle.state != HandleState.SHARDED and not handle.unsharded_matches(full_precision):
+            handle.reshard()  # kept from a forward in the other precision (train <-> eval)
         if handle.state == HandleState.SHARDED:
-            handle.unshard()
+            handle.unshard(full_precision)
         handle.wait_unshard()
         handle.use_unsharded_views()
 
@@ -212,7 +220,7 @@ class UnitRuntime:
         if handle is None:
             return
         if handle.state == HandleState.SHARDED:
-            handle.unshard()
+            handle.unshard(self.full_precision)
         root.prefetch_for_backward(self)  # issued before we block on our own all-gather
         handle.wait_unshard()
         handle.use_unsharded_views()

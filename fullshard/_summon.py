@@ -82,8 +82,12 @@ def summon(
     _validate(units, writeback, rank0_only, offload_to_cpu, with_grads)
     handles = [unit._handle for unit in units if unit._handle is not None]
     for handle in handles:
+        # Full parameters in their own dtype (not MixedPrecision.param_dtype): what users
+        # inspect and what writeback must store into the shard.
+        if handle.state != HandleState.SHARDED and not handle.unsharded_matches(True):
+            handle.reshard()  # kept unsharded in low precision by a forward
         if handle.state == HandleState.SHARDED:
-            handle.unshard()
+            handle.unshard(full_precision=True)
     for handle in handles:
         handle.wait_unshard()
     expose = not rank0_only or dist.get_rank() == 0

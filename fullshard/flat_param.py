@@ -2,16 +2,20 @@
 
 The handle owns three buffers:
 
-- ``flat_param._local_shard``: this rank's fp32 shard, the storage ``flat_param`` (what a
-  ``use_orig_params=False`` optimizer steps on) always points at. With ``use_orig_params``
-  the original parameters are 1-D views of their pieces of it.
-- ``flat_param._full_param_padded``: the padded unsharded buffer the all-gather writes into.
-  Its storage is freed (resized to 0) whenever the handle is SHARDED.
+- ``flat_param._local_shard``: this rank's shard in the parameters' own dtype (the optimizer's
+  master copy), the storage ``flat_param`` (what a ``use_orig_params=False`` optimizer steps
+  on) always points at. With ``CPUOffload(offload_params=True)`` it lives on the CPU. With
+  ``use_orig_params`` the original parameters are 1-D views of their pieces of it.
+- ``flat_param._full_param_padded``: the padded unsharded buffer the all-gather writes into,
+  on the compute device, in the compute dtype (``MixedPrecision.param_dtype``). Its storage
+  is freed (resized to 0) whenever the handle is SHARDED.
 - ``_unsharded_flat_param``: a separate autograd leaf over the first ``numel`` elements of
   that storage. During compute, modules see views of it; autograd accumulates the unsharded
   gradient into its ``.grad``, and its post-accumulate-grad hook is the unit's post-backward.
+  With NO_SHARD, in the shard's dtype and on its device, the leaf aliases the shard itself.
 
-See [Note: a separate unsharded leaf] for why ``flat_param`` itself never changes storage.
+See [Note: a separate unsharded leaf] for why ``flat_param`` itself never changes storage,
+and [Note: mixed precision] for the dtypes.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from torch.utils.hooks import RemovableHandle
 from . import _collectives as comm
 from ._layout import FlatLayout, ShardPiece, make_layout
 from ._process_groups import ShardingGroups, gradient_divide_factors
-from .api import ShardingStrategy
+from .api import MixedPrecision, ShardingStrategy
 
 __all__ = ["FlatParamHandle", "FlatParameter", "HandleState"]
 
@@ -45,6 +49,20 @@ _FSDP_USE_UNSAFE_SETATTR = "FSDP_USE_UNSAFE_SETATTR"
 # autograd's saved-tensor checks. Its `.grad` is the unsharded gradient, which accumulates
 # naturally under `no_sync()`; the sharded gradient lives on `flat_param.grad`.
 
+# [Note: mixed precision]
+# Three dtypes per handle, named as torch's FSDP names them:
+# - `_orig_param_dtype`: the parameters' own dtype, the dtype of the shard (the optimizer's
+#   master copy). A model converted with `.half()` after wrapping changes it (see `adopt_shard`).
+# - `_fwd_bwd_param_dtype`: `MixedPrecision.param_dtype`, else the original dtype. The shard is
+#   cast to it *before* the all-gather, so the wire carries the low-precision bytes, and the
+#   unsharded leaf (and so the unsharded gradient) is in it.
+# - `_reduce_dtype`: `MixedPrecision.reduce_dtype`, else `param_dtype`, else the original dtype.
+# After the reduction the sharded gradient is cast back to the original dtype (so the optimizer
+# steps in full precision) unless `keep_low_precision_grads`. A unit unsharded in full precision
+# (`summon_full_params`, eval under FSDP_USE_FULL_PREC_IN_EVAL=1) gathers and reduces in the
+# original dtype, through a second buffer and leaf (`_full_prec_full_param_padded`), so the
+# compute-dtype leaf that a pending backward's graph refers to is never replaced.
+
 
 class FlatParameter(nn.Parameter):
     """The flattened, sharded parameters of one FSDP unit.
@@ -55,6 +73,9 @@ class FlatParameter(nn.Parameter):
 
     _local_shard: torch.Tensor
     _full_param_padded: torch.Tensor
+    """The unsharded buffer in the compute dtype (see ``FlatParamHandle``)."""
+    _full_prec_full_param_padded: torch.Tensor | None
+    """With mixed precision, the unsharded buffer in the original dtype (summon, eval)."""
 
     @classmethod
     def from_shard(
@@ -63,6 +84,7 @@ class FlatParameter(nn.Parameter):
         flat_param = cls(local_shard, requires_grad=requires_grad)
         flat_param._local_shard = local_shard
         flat_param._full_param_padded = full_param_padded
+        flat_param._full_prec_full_param_padded = None
         return flat_param
 
 
@@ -87,6 +109,21 @@ class _PendingReduction:
     """Receives the result: this rank's shard (sharded) or the whole gradient (NO_SHARD)."""
     unsharded_grad: torch.Tensor
     """The input, which must not be freed while the collective reads it."""
+    postdivide: float
+    """What the reduced gradient is divided by once the reduction is done."""
+
+
+@dataclass
+class _Unsharded:
+    """An unsharded buffer and the autograd leaf over it (see [Note: a separate unsharded leaf])."""
+
+    padded: torch.Tensor
+    """What the all-gather writes into; its storage is freed while the handle is SHARDED."""
+    leaf: torch.Tensor
+    """The first ``numel`` elements of ``padded`` (or of the shard itself, when aliased)."""
+    aliases_shard: bool
+    """NO_SHARD with no cast and no offload: the leaf is the shard, nothing is copied."""
+    hook: RemovableHandle | None
 
 
 def _assign_plain(module: nn.Module, name: str, tensor: torch.Tensor, unsafe: bool) -> None:
@@ -119,11 +156,26 @@ def _remove_attr(module: nn.Module, name: str, unsafe: bool) -> None:
         delattr(module, name)
 
 
+def _assign_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """Set ``param.grad``, also to a gradient of another dtype (``keep_low_precision_grads``).
+
+    The ``.grad`` setter refuses a dtype that differs from the parameter's, so such a gradient
+    is installed through ``.data`` of a placeholder, as torch's FSDP does.
+    """
+    if grad is None or grad.dtype == param.dtype:
+        param.grad = grad
+        return
+    param.grad = torch.empty(0, dtype=param.dtype, device=grad.device).expand(param.shape)
+    param.grad.data = grad
+
+
 class FlatParamHandle:
     """Owns a unit's flat parameter: its storage, its views and its gradient.
 
     Parameters are given in layout order; ``owners[i]`` lists every ``(module, attr)`` that
     refers to parameter ``i`` (more than one when a parameter is shared, e.g. tied weights).
+    ``device`` is the compute device; with ``offload_params`` the shard and its gradient live
+    on the CPU instead.
     """
 
     def __init__(
@@ -136,6 +188,8 @@ class FlatParamHandle:
         use_orig_params: bool,
         device: torch.device,
         label: str,
+        mixed_precision: MixedPrecision | None = None,
+        offload_params: bool = False,
     ) -> None:
         if not params:
             raise ValueError("a FlatParamHandle needs at least one parameter")
@@ -147,6 +201,8 @@ class FlatParamHandle:
         self._use_orig_params = use_orig_params
         self._unsafe_setattr = os.environ.get(_FSDP_USE_UNSAFE_SETATTR, "") == "1"
         self.device = device
+        self._offload_params = offload_params
+        self._mixed_precision = mixed_precision
         self._orig_params: list[nn.Parameter] = list(params)
         self._owners = owners
         num_shards = groups.shard_size if self.uses_sharded_strategy else 1
@@ -158,18 +214,26 @@ class FlatParamHandle:
         self._orig_param_dtype: torch.dtype = params[0].dtype
         self._fwd_bwd_param_dtype: torch.dtype = params[0].dtype
         self._reduce_dtype: torch.dtype = params[0].dtype
-        num_dp_ranks = groups.num_data_parallel_ranks
-        if self._reduce_dtype.itemsize >= 4:
-            # Full precision cannot overflow: divide before the sum, exactly as DDP does.
-            self._predivide, self._postdivide = float(num_dp_ranks), 1.0
-        else:
-            self._predivide, self._postdivide = gradient_divide_factors(num_dp_ranks)
+        self._keep_low_precision_grads = bool(
+            mixed_precision is not None and mixed_precision.keep_low_precision_grads
+        )
+        self._set_dtypes(params[0].dtype)
         self.flat_param: FlatParameter = self._make_flat_param(params)
-        self._unsharded_flat_param: torch.Tensor = self._make_unsharded_leaf()
+        self._post_backward_hook: Callable[[], None] | None = None
+        self._compute: _Unsharded = self._make_unsharded(self._fwd_bwd_param_dtype)
+        """Unsharded buffer and leaf in the compute dtype; its identity never changes while
+        a forward's graph may refer to it."""
+        self._full_prec: _Unsharded | None = None
+        """In the original dtype, built on first use when that differs from the compute dtype."""
+        self._active: _Unsharded = self._compute
+        """The one unsharded (or last unsharded): what modules' views and gradients refer to."""
+        self.flat_param._full_param_padded = self._compute.padded
         self.state = HandleState.SHARDED
         self._unshard_work: dist.Work | None = None
+        self._unshard_input: torch.Tensor | None = None
+        """The cast or copied shard an all-gather in flight reads from."""
         self._pending_reduction: _PendingReduction | None = None
-        self.has_detached_frozen_views = self._unsharded_flat_param.requires_grad and not all(
+        self.has_detached_frozen_views = self.flat_param.requires_grad and not all(
             slot.requires_grad for slot in self.layout.slots
         )
         self._release_orig_params()
@@ -193,6 +257,19 @@ class FlatParamHandle:
                 "use_orig_params=True, or wrap the frozen modules in their own units"
             )
 
+    def _set_dtypes(self, orig_dtype: torch.dtype) -> None:
+        """Resolve the three dtypes of [Note: mixed precision] from the parameters' dtype."""
+        mp = self._mixed_precision
+        self._orig_param_dtype = orig_dtype
+        param_dtype = mp.param_dtype if mp is not None else None
+        reduce_dtype = mp.reduce_dtype if mp is not None else None
+        self._fwd_bwd_param_dtype = param_dtype or orig_dtype
+        self._reduce_dtype = reduce_dtype or param_dtype or orig_dtype
+
+    @property
+    def _shard_device(self) -> torch.device:
+        return torch.device("cpu") if self._offload_params else self.device
+
     def _make_flat_param(self, params: list[nn.Parameter]) -> FlatParameter:
         layout = self.layout
         with torch.no_grad():
@@ -204,26 +281,62 @@ class FlatParamHandle:
                 flat[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
             start, end = layout.shard_range(self._shard_rank)
             local_shard = flat[start:end].clone() if self.uses_sharded_strategy else flat
+            local_shard = self._to_shard_device(local_shard)
         full_param_padded = torch.empty(0, dtype=local_shard.dtype, device=self.device)
-        if self.uses_sharded_strategy:
-            full_param_padded = torch.empty_like(flat)  # freed once the leaf is made over it
         requires_grad = any(p.requires_grad for p in params)
         return FlatParameter.from_shard(local_shard, full_param_padded, requires_grad)
 
-    def _make_unsharded_leaf(self) -> torch.Tensor:
-        # See [Note: a separate unsharded leaf].
-        source = (
-            self.flat_param._full_param_padded
-            if self.uses_sharded_strategy
-            else self.flat_param._local_shard
+    def _to_shard_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not self._offload_params:
+            return tensor
+        tensor = tensor.to("cpu")
+        if self.device.type == "cuda":  # pinned, so copies to the device can be asynchronous
+            tensor = tensor.pin_memory()
+        return tensor
+
+    def _make_unsharded(self, dtype: torch.dtype) -> _Unsharded:
+        """Build an unsharded buffer in ``dtype`` and the leaf over it, hooked for backward.
+
+        See [Note: a separate unsharded leaf].
+        """
+        local_shard = self.flat_param._local_shard
+        aliases_shard = (
+            not self.uses_sharded_strategy
+            and not self._offload_params
+            and dtype == local_shard.dtype
+            and local_shard.device == self.device
         )
-        leaf = torch.empty(0, dtype=source.dtype, device=source.device)
+        if aliases_shard:
+            padded = local_shard.new_empty(0)
+            source = local_shard
+        else:
+            padded = torch.empty(self.layout.padded_numel, dtype=dtype, device=self.device)
+            source = padded
+        leaf = torch.empty(0, dtype=dtype, device=self.device)
         # `set_` grows a storage too small for the sizes, so the storage must still be
         # allocated here; it is freed right after.
-        leaf.set_(source.untyped_storage(), 0, (self.layout.numel,), (1,))
-        if self.uses_sharded_strategy:
-            source.untyped_storage().resize_(0)
-        return leaf.requires_grad_(self.flat_param.requires_grad)
+        leaf.set_(source.untyped_storage(), source.storage_offset(), (self.layout.numel,), (1,))
+        if not aliases_shard:
+            padded.untyped_storage().resize_(0)
+        leaf.requires_grad_(self.flat_param.requires_grad)
+        hook = None
+        if self._post_backward_hook is not None and leaf.requires_grad:
+            callback = self._post_backward_hook
+            hook = leaf.register_post_accumulate_grad_hook(lambda _: callback())
+        return _Unsharded(padded, leaf, aliases_shard, hook)
+
+    def _unsharded_buffers(self) -> list[_Unsharded]:
+        if self._full_prec is None or self._full_prec is self._compute:
+            return [self._compute]
+        return [self._compute, self._full_prec]
+
+    def _unsharded_for(self, full_precision: bool) -> _Unsharded:
+        if not full_precision or self._orig_param_dtype == self._fwd_bwd_param_dtype:
+            return self._compute
+        if self._full_prec is None:
+            self._full_prec = self._make_unsharded(self._orig_param_dtype)
+            self.flat_param._full_prec_full_param_padded = self._full_prec.padded
+        return self._full_prec
 
     def _release_orig_params(self) -> None:
         """Hand the original parameters' storage over to the flat parameter."""
@@ -236,6 +349,44 @@ class FlatParamHandle:
             # The handle keeps the object only to recognise it; its values now live in the
             # flat parameter, so drop the original storage.
             param.data = param.data.new_empty(0)
+
+    def adopt_shard(self, local_shard: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """Make ``local_shard`` (and ``grad``) the shard after ``module.half()``, ``.to()``...
+
+        ``nn.Module._apply`` converts registered parameters by replacing their data; this
+        re-points the shard, the unsharded buffer, the leaf and the original parameters'
+        views at the converted tensors. The compute device follows the shard's unless the
+        parameters are offloaded.
+        """
+        self._assert_state(HandleState.SHARDED, "adopt_shard")
+        if self.has_unsharded_grad() or self._pending_reduction is not None:
+            raise RuntimeError(
+                f"cannot convert FSDP unit '{self.label}' while it holds an unreduced gradient "
+                "(between backward and the end of a no_sync() block); convert before training "
+                "or after the optimizer step"
+            )
+        if self._offload_params:
+            local_shard = self._to_shard_device(local_shard)
+            grad = self._to_shard_device(grad) if grad is not None else None
+        else:
+            self.device = local_shard.device
+        self.flat_param.data = local_shard
+        self.flat_param._local_shard = local_shard
+        self._set_dtypes(local_shard.dtype)
+        for unsharded in self._unsharded_buffers():
+            if unsharded.hook is not None:
+                unsharded.hook.remove()
+        self._compute = self._active = self._make_unsharded(self._fwd_bwd_param_dtype)
+        self._full_prec = None
+        self.flat_param._full_param_padded = self._compute.padded
+        self.flat_param._full_prec_full_param_padded = None
+        if grad is not None and grad.dtype == local_shard.dtype:
+            self.flat_param.grad = grad
+        elif grad is not None:
+            _assign_grad(self.flat_param, grad)
+        if self._use_orig_params:
+            self._use_sharded_params()
+            self._use_sharded_grad_views()
 
     # -- parameters -----------------------------------------------------------------------
 
@@ -273,7 +424,7 @@ class FlatParamHandle:
                 _assign_param(module, name, param, self._unsafe_setattr)
 
     def _unsharded_views(self) -> list[torch.Tensor]:
-        flat = self._unsharded_flat_param
+        flat = self._active.leaf
         views = [
             piece.view(slot.shape)
             for piece, slot in zip(torch.split(flat, self.layout.numels), self.layout.slots)
@@ -299,17 +450,41 @@ class FlatParamHandle:
                 f"expects state {expected.name}, found {self.state.name}"
             )
 
-    def unshard(self) -> None:
-        """Issue the all-gather of every rank's shard into `_full_param_padded` (async)."""
+    def unsharded_matches(self, full_precision: bool) -> bool:
+        """Whether the unsharded (or last unsharded) parameters are in the requested precision."""
+        return self._active is self._unsharded_for(full_precision)
+
+    @property
+    def _unsharded_flat_param(self) -> torch.Tensor:
+        """The leaf modules' views refer to while unsharded (the last one used otherwise)."""
+        return self._active.leaf
+
+    def unshard(self, full_precision: bool = False) -> None:
+        """Issue the all-gather of every rank's shard into `_full_param_padded` (async).
+
+        The shard is cast to the compute dtype (``param_dtype``, or the original dtype with
+        ``full_precision``) and moved to the compute device first, so the collective carries
+        the compute dtype's bytes.
+        """
         self._assert_state(HandleState.SHARDED, "unshard")
-        if not self.uses_sharded_strategy:
+        self._active = unsharded = self._unsharded_for(full_precision)
+        if unsharded.aliases_shard:
             self.state = HandleState.UNSHARDED
             return
-        padded = self.flat_param._full_param_padded
+        dtype = unsharded.leaf.dtype
+        padded = unsharded.padded
         padded.untyped_storage().resize_(padded.numel() * padded.element_size())
-        self._unshard_work = comm.all_gather_into(
-            padded, self.flat_param._local_shard, self.groups.shard, self.label
-        )
+        local_shard = self.flat_param._local_shard
+        source = local_shard
+        if self._offload_params or local_shard.dtype != dtype:
+            source = torch.empty(local_shard.numel(), dtype=dtype, device=self.device)
+            source.copy_(local_shard, non_blocking=True)
+        if not self.uses_sharded_strategy:
+            padded.copy_(source)
+            self.state = HandleState.UNSHARDED
+            return
+        self._unshard_input = source
+        self._unshard_work = comm.all_gather_into(padded, source, self.groups.shard, self.label)
         self.state = HandleState.UNSHARDING
 
     def wait_unshard(self) -> None:
@@ -318,6 +493,7 @@ class FlatParamHandle:
             assert self._unshard_work is not None
             self._unshard_work.wait()
             self._unshard_work = None
+            self._unshard_input = None
             self.state = HandleState.UNSHARDED
         self._assert_state(HandleState.UNSHARDED, "wait_unshard")
 
@@ -326,51 +502,71 @@ class FlatParamHandle:
         if self.state == HandleState.UNSHARDING:
             self.wait_unshard()
         self._assert_state(HandleState.UNSHARDED, "reshard")
-        if self.uses_sharded_strategy:
-            self.flat_param._full_param_padded.untyped_storage().resize_(0)
+        if not self._active.aliases_shard:
+            self._active.padded.untyped_storage().resize_(0)
         if self._use_orig_params:
             self._use_sharded_params()
         self.state = HandleState.SHARDED
 
     def unsharded_storage_size(self) -> int:
-        """Bytes held by the unsharded buffer (0 when resharded)."""
-        return self.flat_param._full_param_padded.untyped_storage().nbytes()
+        """Bytes held by the unsharded buffers (0 when resharded)."""
+        return sum(u.padded.untyped_storage().nbytes() for u in self._unsharded_buffers())
 
     # -- gradients --------------------------------------------------------------------------
 
-    def register_post_backward_hook(self, hook: Callable[[], None]) -> RemovableHandle | None:
+    def register_post_backward_hook(self, hook: Callable[[], None]) -> None:
         """Call ``hook`` each time autograd has accumulated this unit's unsharded gradient."""
-        if not self._unsharded_flat_param.requires_grad:
-            return None
-        return self._unsharded_flat_param.register_post_accumulate_grad_hook(lambda _: hook())
+        assert self._post_backward_hook is None, "the post-backward hook is registered once"
+        self._post_backward_hook = hook
+        for unsharded in self._unsharded_buffers():
+            leaf = unsharded.leaf
+            if leaf.requires_grad:
+                unsharded.hook = leaf.register_post_accumulate_grad_hook(lambda _: hook())
 
     def has_unsharded_grad(self) -> bool:
-        return self._unsharded_flat_param.grad is not None
+        return any(u.leaf.grad is not None for u in self._unsharded_buffers())
 
     def reduce_grad(self) -> None:
         """Issue the reduction of the unsharded gradient (async); frees it once done."""
-        grad = self._unsharded_flat_param.grad
-        if grad is None:
-            return
+        for unsharded in self._unsharded_buffers():
+            if unsharded.leaf.grad is not None:
+                self._reduce_grad_of(unsharded.leaf)
+
+    def _reduce_grad_of(self, leaf: torch.Tensor) -> None:
+        grad = leaf.grad
+        assert grad is not None
         if self._pending_reduction is not None:  # a second backward before the first finished
             self.finalize_grad()
-        self._unsharded_flat_param.grad = None
-        grad = grad.to(self._reduce_dtype)
-        if self._predivide > 1:
-            grad = grad.div_(self._predivide)
+        leaf.grad = None
+        # A unit unsharded in full precision (eval) reduces in full precision too.
+        ran_in_param_dtype = grad.dtype == self._fwd_bwd_param_dtype
+        reduce_dtype = self._reduce_dtype if ran_in_param_dtype else grad.dtype
+        num_dp_ranks = self.groups.num_data_parallel_ranks
+        if reduce_dtype.itemsize >= 4:
+            # Full precision cannot overflow: divide before the sum, exactly as DDP does.
+            predivide, postdivide = float(num_dp_ranks), 1.0
+        else:
+            predivide, postdivide = gradient_divide_factors(num_dp_ranks)
+        grad = grad.to(reduce_dtype)
+        if predivide > 1:
+            grad = grad.div_(predivide)
         if not self.uses_sharded_strategy:
             work = comm.all_reduce_sum(grad, self.groups.shard, self.label)
-            self._pending_reduction = _PendingReduction(work, grad, grad)
+            self._pending_reduction = _PendingReduction(work, grad, grad, postdivide)
             return
         padding = self.layout.padded_numel - self.layout.numel
         if padding:
             grad = torch.nn.functional.pad(grad, (0, padding))
         sharded = grad.new_empty(self.layout.shard_numel)
         work = comm.reduce_scatter_into(sharded, grad, self.groups.shard, self.label)
-        self._pending_reduction = _PendingReduction(work, sharded, grad)
+        self._pending_reduction = _PendingReduction(work, sharded, grad, postdivide)
 
     def finalize_grad(self) -> None:
-        """Wait for the reduction and accumulate it into the sharded gradient."""
+        """Wait for the reduction and accumulate it into the sharded gradient.
+
+        The result is cast to the parameters' dtype (unless ``keep_low_precision_grads``) and
+        moved to the shard's device (the CPU with parameter offload).
+        """
         pending = self._pending_reduction
         if pending is None:
             return
@@ -379,15 +575,17 @@ class FlatParamHandle:
         reduced = pending.reduced_grad
         if self.groups.replicate is not None:
             comm.all_reduce_sum(reduced, self.groups.replicate, self.label).wait()
-        if self._postdivide > 1:
-            reduced.div_(self._postdivide)
-        reduced = reduced.to(self.flat_param.dtype)
+        if pending.postdivide > 1:
+            reduced.div_(pending.postdivide)
+        dtype = reduced.dtype if self._keep_low_precision_grads else self._orig_param_dtype
+        reduced = reduced.to(device=self._shard_device, dtype=dtype)
         if self._use_orig_params:
             self._pull_orig_grads()
-        if self.flat_param.grad is None:
-            self.flat_param.grad = reduced
+        flat_grad = self.flat_param.grad
+        if flat_grad is None:
+            _assign_grad(self.flat_param, reduced)
         else:
-            self.flat_param.grad += reduced
+            flat_grad.add_(reduced)
         if self._use_orig_params:
             self._use_sharded_grad_views()
 
@@ -417,6 +615,10 @@ class FlatParamHandle:
             self.flat_param.grad = None
 
     def _use_sharded_grad_views(self) -> None:
+        """``use_orig_params``: each original ``.grad`` views its piece of the sharded grad.
+
+        Parameters with no piece on this rank (or frozen ones) have no gradient, as in torch.
+        """
         flat_grad = self.flat_param.grad
         if flat_grad is None:
             for param in self._orig_params:
@@ -425,7 +627,8 @@ class FlatParamHandle:
         for param, view, slot in zip(
             self._orig_params, self._sharded_piece_views(flat_grad), self.layout.slots
         ):
-            param.grad = view if slot.requires_grad else None
+            has_piece = view.numel() > 0 or slot.numel == 0
+            _assign_grad(param, view if slot.requires_grad and has_piece else None)
 
     # -- summon_full_params -----------------------------------------------------------------
 
@@ -457,21 +660,22 @@ class FlatParamHandle:
             return
         if flat_grad is None:
             flat_grad = torch.zeros_like(self.flat_param)
-        full_grad = flat_grad
+        full_grad = flat_grad.to(self.device)
         if self.uses_sharded_strategy:
-            full_grad = flat_grad.new_empty(self.layout.padded_numel)
-            comm.all_gather_into(full_grad, flat_grad, self.groups.shard, self.label).wait()
+            full_grad = full_grad.new_empty(self.layout.padded_numel)
+            source = flat_grad.to(self.device)
+            comm.all_gather_into(full_grad, source, self.groups.shard, self.label).wait()
         pieces = torch.split(full_grad[: self.layout.numel], self.layout.numels)
         for param, piece, slot in zip(self._orig_params, pieces, self.layout.slots):
-            param.grad = piece.view(slot.shape) if slot.requires_grad else None
+            _assign_grad(param, piece.view(slot.shape) if slot.requires_grad else None)
 
     def hide_unsharded_params(self, writeback: bool) -> None:
         """Undo ``expose_unsharded_params``; with ``writeback`` keep edits made to them."""
         self._assert_state(HandleState.UNSHARDED, "hide_unsharded_params")
-        if writeback and self.uses_sharded_strategy:
+        if writeback and not self._active.aliases_shard:
             start, end = self.layout.shard_range(self._shard_rank)
             with torch.no_grad():
-                self.flat_param._local_shard.copy_(self.flat_param._full_param_padded[start:end])
+                self.flat_param._local_shard.copy_(self._active.padded[start:end])
         if not self._use_orig_params:
             for view, slot_owners in zip(self._unsharded_views(), self._owners):
                 for module, name in slot_owners:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,9 +17,9 @@ import torch
 from torch import nn
 
 from ._process_groups import ShardingGroups, effective_strategy, resolve_groups
-from ._runtime import RootState, TrainingState, UnitRuntime, map_tensors
+from ._runtime import RootState, TrainingState, UnitRuntime, iter_tensors, map_tensors
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from .flat_param import FlatParameter, FlatParamHandle
+from .flat_param import FlatParameter, FlatParamHandle, HandleState
 
 __all__ = ["FSDP_WRAPPED_MODULE", "HOMOGENEOUS_ATTR_NAMES", "FullyShardedDataParallel"]
 
@@ -46,6 +47,9 @@ class _Settings:
     backward_prefetch: BackwardPrefetch | None
     limit_all_gathers: bool
     device_id: torch.device | None
+    mixed_precision: MixedPrecision | None
+    """None when no field is set: the unit computes in the parameters' own dtype."""
+    offload_params: bool
 
 
 def _not_yet(option: str, issue: str) -> NotImplementedError:
@@ -57,12 +61,6 @@ def _not_yet(option: str, issue: str) -> NotImplementedError:
 
 def _check_supported(kwargs: dict[str, Any]) -> None:
     """Refuse, by name, options whose behaviour is not built yet: nothing is silently ignored."""
-    cpu_offload = kwargs.get("cpu_offload")
-    if cpu_offload is not None and cpu_offload.offload_params:
-        raise _not_yet("CPUOffload(offload_params=True)", "CPU offload")
-    mixed_precision = kwargs.get("mixed_precision")
-    if mixed_precision is not None and mixed_precision != MixedPrecision():
-        raise _not_yet("mixed_precision", "mixed precision")
     if kwargs.get("backward_prefetch") == BackwardPrefetch.BACKWARD_POST:
         raise _not_yet("backward_prefetch=BackwardPrefetch.BACKWARD_POST", "prefetch")
     if kwargs.get("forward_prefetch"):
@@ -72,6 +70,35 @@ def _check_supported(kwargs: dict[str, Any]) -> None:
             raise _not_yet(option, "construction options")
     if kwargs.get("sync_module_states"):
         raise _not_yet("sync_module_states=True", "construction options")
+
+
+def _resolve_mixed_precision(mixed_precision: Any) -> MixedPrecision | None:
+    if mixed_precision is None:
+        return None
+    if not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(
+            f"mixed_precision must be a fullshard.MixedPrecision or None, got {mixed_precision!r}"
+        )
+    for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        dtype = getattr(mixed_precision, name)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(
+                f"MixedPrecision.{name} must be a floating-point torch.dtype or None, got {dtype!r}"
+            )
+    classes = mixed_precision._module_classes_to_ignore
+    if not all(isinstance(cls, type) and issubclass(cls, nn.Module) for cls in classes):
+        raise TypeError(
+            "MixedPrecision._module_classes_to_ignore must be a sequence of nn.Module classes, "
+            f"got {classes!r}"
+        )
+    if (
+        mixed_precision.param_dtype is None
+        and mixed_precision.reduce_dtype is None
+        and mixed_precision.buffer_dtype is None
+        and not mixed_precision.keep_low_precision_grads
+    ):
+        return None
+    return mixed_precision
 
 
 def _resolve_device_id(device_id: int | torch.device | None) -> torch.device | None:
@@ -117,6 +144,9 @@ def _resolve_settings(kwargs: dict[str, Any]) -> _Settings:
     if not isinstance(strategy, ShardingStrategy):
         raise TypeError(f"sharding_strategy must be a fullshard.ShardingStrategy, got {strategy!r}")
     groups = resolve_groups(strategy, kwargs.get("process_group"), kwargs.get("device_mesh"))
+    cpu_offload = kwargs.get("cpu_offload")
+    if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
+        raise TypeError(f"cpu_offload must be a fullshard.CPUOffload or None, got {cpu_offload!r}")
     prefetch = kwargs.get("backward_prefetch", BackwardPrefetch.BACKWARD_PRE)
     if prefetch is not None and not isinstance(prefetch, BackwardPrefetch):
         raise TypeError(f"backward_prefetch must be a BackwardPrefetch or None, got {prefetch!r}")
@@ -127,6 +157,8 @@ def _resolve_settings(kwargs: dict[str, Any]) -> _Settings:
         backward_prefetch=prefetch,
         limit_all_gathers=bool(kwargs.get("limit_all_gathers", True)),
         device_id=_resolve_device_id(kwargs.get("device_id")),
+        mixed_precision=_resolve_mixed_precision(kwargs.get("mixed_precision")),
+        offload_params=bool(cpu_offload is not None and cpu_offload.offload_params),
     )
 
 
@@ -182,7 +214,7 @@ class FullyShardedDataParallel(nn.Module):
             )
         settings = _resolve_settings(kwargs)
         if auto_wrap_policy is not None:
-            _auto_wrap(module, auto_wrap_policy, kwargs)
+            _auto_wrap(module, auto_wrap_policy, kwargs, settings.mixed_precision)
         self._init_unit(module, settings, excluded_params=set())
 
     @classmethod
@@ -199,6 +231,19 @@ class FullyShardedDataParallel(nn.Module):
         self, module: nn.Module, settings: _Settings, excluded_params: set[nn.Parameter]
     ) -> None:
         self._fsdp_wrapped_module = module
+        mixed_precision = settings.mixed_precision
+        self._upcasts_for_class = mixed_precision is not None and isinstance(
+            module, tuple(mixed_precision._module_classes_to_ignore)
+        )
+        """The module's class is in ``MixedPrecision._module_classes_to_ignore``: it runs in
+        full precision, with its floating-point inputs cast to float32 and outputs cast back."""
+        if self._upcasts_for_class:
+            mixed_precision = None
+        self._mixed_precision = mixed_precision
+        self.mixed_precision = mixed_precision or MixedPrecision()
+        self.cpu_offload = CPUOffload(offload_params=settings.offload_params)
+        self.rank = settings.groups.shard_rank
+        self.world_size = settings.groups.shard_size
         self._settings = settings
         self._use_orig_params = settings.use_orig_params
         self.limit_all_gathers = settings.limit_all_gathers
@@ -220,10 +265,15 @@ class FullyShardedDataParallel(nn.Module):
                 settings.use_orig_params,
                 self.compute_device,
                 label=type(module).__name__,
+                mixed_precision=mixed_precision,
+                offload_params=settings.offload_params,
             )
             if not settings.use_orig_params:
                 module.register_parameter(FLAT_PARAM, self._handle.flat_param)
         self._runtime = UnitRuntime(self._handle, settings.strategy)
+        self._managed_buffers: list[tuple[nn.Module, str, torch.dtype]] = []
+        """Floating-point buffers of this unit (not of nested units) and their own dtypes;
+        filled at lazy initialisation."""
 
     # -- module plumbing ------------------------------------------------------------------
 
@@ -265,11 +315,52 @@ class FullyShardedDataParallel(nn.Module):
             self._lazy_init()
         label = self._handle.label if self._handle is not None else "(no params)"
         with torch.autograd.profiler.record_function(f"fullshard::forward({label})"):
+            full_precision = self._forces_full_precision()
+            mixed_precision = self._mixed_precision
             if runtime.is_root:
                 args, kwargs = self._to_compute_device(args, kwargs)
-            runtime.pre_forward()
+                self._cast_buffers(full_precision)
+            if mixed_precision is not None and not full_precision:
+                cast_inputs = (
+                    mixed_precision.cast_root_forward_inputs
+                    if runtime.is_root
+                    else mixed_precision.cast_forward_inputs
+                )
+                if cast_inputs and mixed_precision.param_dtype is not None:
+                    args, kwargs = _cast_floating(mixed_precision.param_dtype, (args, kwargs))
+            input_dtype = None
+            if self._upcasts_for_class:
+                input_dtype = _first_floating_dtype((args, kwargs))
+                args, kwargs = _cast_floating(torch.float32, (args, kwargs))
+            runtime.pre_forward(full_precision)
             output = self._fsdp_wrapped_module(*args, **kwargs)
+            if input_dtype is not None:
+                output = _cast_floating(input_dtype, output)
             return runtime.post_forward(output)
+
+    def _forces_full_precision(self) -> bool:
+        """Eval in full precision despite mixed precision (FSDP_USE_FULL_PREC_IN_EVAL=1)."""
+        return (
+            self._mixed_precision is not None
+            and self._use_full_prec_in_eval
+            and not self._fsdp_wrapped_module.training
+        )
+
+    def _cast_buffers(self, full_precision: bool) -> None:
+        """Root only: buffers in ``buffer_dtype`` for compute, or their own dtype in full
+        precision eval. Cast only when the mode changes (the first forward included)."""
+        root_state = self._runtime.root
+        if root_state.buffers_full_precision == full_precision:
+            return
+        root_state.buffers_full_precision = full_precision
+        for unit in FullyShardedDataParallel.fsdp_modules(self):
+            mixed_precision = unit._mixed_precision
+            buffer_dtype = mixed_precision.buffer_dtype if mixed_precision is not None else None
+            for module, name, orig_dtype in unit._managed_buffers:
+                buffer = module._buffers[name]
+                dtype = orig_dtype if full_precision or buffer_dtype is None else buffer_dtype
+                if buffer is not None and buffer.dtype != dtype:
+                    buffer.data = buffer.data.to(dtype)
 
     def _to_compute_device(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         device = self.compute_device
@@ -293,9 +384,56 @@ class FullyShardedDataParallel(nn.Module):
             unit._runtime.is_root = unit is self
             if unit._handle is not None:
                 unit._handle.label = fqn or "(root)"
+            unit._managed_buffers = [
+                (module, name, buffer.dtype)
+                for module in _modules_of_unit(unit)
+                for name, buffer in module._buffers.items()
+                if buffer is not None and buffer.is_floating_point()
+            ]
         root_state = RootState([m._runtime for _, m in units], self._settings.backward_prefetch)
         for _, unit in units:
             unit._runtime.root_state = root_state
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """``module.half()``, ``.to(dtype)``, ``.cuda()``...: convert, then re-point the shard.
+
+        ``nn.Module._apply`` converts registered parameters (the flat parameter, or the
+        original parameters with ``use_orig_params``); the handle then adopts the converted
+        shard so the unsharded buffers, views and dtypes follow (pure fp16 after wrapping).
+        """
+        handle = self._handle
+        if handle is not None and handle.state != HandleState.SHARDED:
+            if self._runtime.training_state != TrainingState.IDLE:
+                raise RuntimeError(
+                    f"cannot convert FSDP unit '{handle.label}' during forward/backward or inside "
+                    "summon_full_params"
+                )
+            handle.reshard()  # kept unsharded by a forward with no backward
+        result = super()._apply(fn, recurse)
+        if handle is None:
+            return result
+        flat_param = handle.flat_param
+        local_shard = flat_param._local_shard
+        if self._use_orig_params:
+            new_shard = fn(local_shard)
+            grad = fn(flat_param.grad) if flat_param.grad is not None else None
+        else:
+            registered = self._fsdp_wrapped_module._parameters[FLAT_PARAM]
+            assert registered is not None
+            if registered is not flat_param:  # torch.__future__ overwrite-on-conversion
+                flat_param.data = registered.data
+                flat_param.grad = registered.grad
+                self._fsdp_wrapped_module._parameters[FLAT_PARAM] = flat_param
+            new_shard, grad = flat_param.data, flat_param.grad
+        unchanged = (
+            new_shard.data_ptr() == local_shard.data_ptr()
+            and new_shard.dtype == local_shard.dtype
+            and new_shard.device == local_shard.device
+        )
+        if not unchanged:
+            handle.adopt_shard(new_shard, grad)
+            self.compute_device = handle.device
+        return result
 
     def check_is_root(self) -> bool:
         """Whether this unit is the root (initialising lazily if needed)."""
@@ -304,12 +442,24 @@ class FullyShardedDataParallel(nn.Module):
         return bool(self._runtime.is_root)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradient norm over every rank's shards (not built yet)."""
-        raise NotImplementedError(
-            "fullshard does not support FullyShardedDataParallel.clip_grad_norm_ yet (it lands "
-            "with mixed precision); torch.nn.utils.clip_grad_norm_ would see only this rank's "
-            "shards, so do not use it as a substitute"
-        )
+        """Clip the gradient norm of all parameters, over every rank's shards, in place.
+
+        Call it on the root after backward (every rank must call it: it communicates). Returns
+        the total norm before clipping, in the gradients' dtype (promoted across them), or a
+        float32 zero with a warning on a rank with no gradients.
+        """
+        if not self.check_is_root():
+            raise RuntimeError(
+                "`clip_grad_norm_()` should only be called on the root FSDP instance"
+            )
+        if self._runtime.training_state != TrainingState.IDLE:
+            raise RuntimeError(
+                "clip_grad_norm_() must be called after backward, outside forward/backward and "
+                "summon_full_params"
+            )
+        from ._clip_grad import clip_grad_norm_
+
+        return clip_grad_norm_(self, max_norm, norm_type)
 
     # -- public static methods ----------------------------------------------------------------
 
@@ -361,6 +511,38 @@ class FullyShardedDataParallel(nn.Module):
 
         with summon(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads):
             yield
+
+
+def _cast_floating(dtype: torch.dtype, obj: Any) -> Any:
+    """Cast every floating-point tensor inside ``obj`` (nested containers) to ``dtype``."""
+
+    def cast(tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_floating_point() or tensor.dtype == dtype:
+            return tensor
+        return tensor.to(dtype)
+
+    return map_tensors(cast, obj)
+
+
+def _first_floating_dtype(obj: Any) -> torch.dtype | None:
+    for tensor in iter_tensors(obj):
+        if tensor.is_floating_point():
+            return tensor.dtype
+    return None
+
+
+def _modules_of_unit(unit: FullyShardedDataParallel) -> list[nn.Module]:
+    """The modules a unit manages: its wrapped module's subtree minus nested units' subtrees."""
+    result: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        result.append(module)
+        for child in module.children():
+            if not isinstance(child, FullyShardedDataParallel):
+                visit(child)
+
+    visit(unit.module)
+    return result
 
 
 def _check_homogeneous(units: list[FullyShardedDataParallel]) -> None:
@@ -439,20 +621,62 @@ def _nested_unit_owners(module: nn.Module) -> dict[int, set[tuple[int, str]]]:
     return result
 
 
+def _post_order(root: nn.Module) -> list[nn.Module]:
+    order: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        for child in module.children():
+            visit(child)
+        order.append(module)
+
+    visit(root)
+    return order
+
+
 # Modules that read their children's parameters without calling the children's forward
 # (nn.MultiheadAttention uses `self.out_proj.weight` directly). A unit made of such a child
 # would never be unsharded, so auto-wrapping leaves these children to the enclosing unit.
 _READS_CHILD_PARAMS_DIRECTLY: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 
 
-def _auto_wrap(root: nn.Module, policy: Any, kwargs: dict[str, Any]) -> None:
-    """Wrap the policy's target submodules of ``root`` bottom-up, in place."""
+def _auto_wrap(
+    root: nn.Module,
+    policy: Any,
+    kwargs: dict[str, Any],
+    mixed_precision: MixedPrecision | None,
+) -> None:
+    """Wrap the policy's target submodules of ``root`` bottom-up, in place.
+
+    With mixed precision, every module of a class in ``_module_classes_to_ignore`` becomes a
+    unit of its own too, so that it can run in full precision (as torch's FSDP does).
+    """
     from .wrap import resolve_policy
 
     resolved = resolve_policy(policy)
     if resolved is None:
         return
     targets = resolved._run_policy(root, set(), dict(kwargs))
+    if mixed_precision is not None and mixed_precision._module_classes_to_ignore:
+        ignored_classes = tuple(mixed_precision._module_classes_to_ignore)
+        overridden = [m for m in root.modules() if m is not root and isinstance(m, ignored_classes)]
+        if overridden:
+            warnings.warn(
+                "Both mixed precision and an auto_wrap_policy were specified to FSDP, where the "
+                f"wrapped module has submodules of type:\n{ {type(m) for m in overridden} }\n"
+                "These modules will be wrapped as separate FSDP instances with mixed precision "
+                "disabled.",
+                stacklevel=3,
+            )
+            extra = {id(m) for m in overridden}
+            targets = {
+                m: targets.get(m, dict(kwargs))
+                for m in _post_order(root)
+                if m in targets or id(m) in extra
+            }
     param_owners: dict[int, list[nn.Module]] = {}
     parents: dict[int, list[tuple[nn.Module, str]]] = {}
     for submodule in root.modules():

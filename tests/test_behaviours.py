@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fullshard import CPUOffload, MixedPrecision, ShardingStrategy
 from fullshard import FullyShardedDataParallel as FSDP
+from fullshard import ShardingStrategy
 from fullshard.flat_param import FlatParamHandle
 from fullshard.wrap import ModuleWrapPolicy, always_wrap_policy
 from harness import REPO_ROOT, run_on_ranks
@@ -821,8 +821,6 @@ def test_summon_raises_when_called_during_forward(strategy: ShardingStrategy) ->
 
 def _unsupported_kwargs(option: str, model: nn.Module) -> dict[str, Any]:
     values: dict[str, Any] = {
-        "mixed_precision": MixedPrecision(param_dtype=torch.float16),
-        "cpu_offload": CPUOffload(offload_params=True),
         "forward_prefetch": True,
         "ignored_modules": [getattr(model, "out_proj", None)],
         "param_init_fn": lambda module: None,
@@ -832,8 +830,6 @@ def _unsupported_kwargs(option: str, model: nn.Module) -> dict[str, Any]:
 
 
 UNSUPPORTED = {
-    "mixed_precision": "mixed_precision",
-    "cpu_offload": "offload_params",
     "forward_prefetch": "forward_prefetch",
     "ignored_modules": "ignored_modules",
     "param_init_fn": "param_init_fn",
