@@ -165,7 +165,7 @@ def _assign_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
     if grad is None or grad.dtype == param.dtype:
         param.grad = grad
         return
-    param.grad = torch.empty(0, dtype=param.dtype, device=grad.device).expand(param.shape)
+    param.grad = torch.empty((), dtype=param.dtype, device=grad.device).expand(param.shape)
     param.grad.data = grad
 
 
