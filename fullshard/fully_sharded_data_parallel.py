@@ -101,7 +101,7 @@ def _resolve_mixed_precision(mixed_precision: Any) -> MixedPrecision | None:
     return mixed_precision
 
 
-def _resolve_device_id(device_id: int | torch.device | None) -> torch.device | None:
+def _resolve_device_id(device_id: int | str | torch.device | None) -> torch.device | None:
     if device_id is None:
         return None
     if isinstance(device_id, int):
@@ -183,7 +183,7 @@ class FullyShardedDataParallel(nn.Module):
         mixed_precision: MixedPrecision | None = None,
         ignored_modules: Iterable[nn.Module] | None = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
-        device_id: int | torch.device | None = None,
+        device_id: int | str | torch.device | None = None,
         sync_module_states: bool = False,
         forward_prefetch: bool = False,
         limit_all_gathers: bool = True,

@@ -28,8 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fullshard import CPUOffload, MixedPrecision, ShardingStrategy
 from fullshard import FullyShardedDataParallel as FSDP
-from fullshard import ShardingStrategy
 from fullshard.examples.gpt import GPT, Block, GPTConfig, num_params
 from fullshard.wrap import ModuleWrapPolicy
 
@@ -51,6 +51,8 @@ class TrainConfig:
     warmup_steps: int
     weight_decay: float
     grad_clip: float
+    mixed_precision: str
+    cpu_offload: bool
     seed: int
     sharding_strategy: ShardingStrategy
     use_orig_params: bool
@@ -60,6 +62,13 @@ class TrainConfig:
     d_model: int
     n_layers: int
     n_heads: int
+
+
+_PRECISIONS: dict[str, MixedPrecision | None] = {
+    "none": None,
+    "bf16": MixedPrecision(param_dtype=torch.bfloat16),
+}
+"""fp16 needs loss scaling (ShardedGradScaler), which this example does not do yet."""
 
 
 def parse_args(argv: list[str] | None) -> TrainConfig:
@@ -74,8 +83,17 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
     parser.add_argument(
         "--grad-clip",
         type=float,
-        default=0.0,
-        help="max grad norm (FSDP.clip_grad_norm_, which lands with the mixed-precision work); 0 disables",
+        default=1.0,
+        help="max grad norm for FullyShardedDataParallel.clip_grad_norm_; 0 disables",
+    )
+    parser.add_argument(
+        "--mixed-precision",
+        choices=tuple(_PRECISIONS),
+        default="none",
+        help="compute and communicate in this dtype; the fp32 shard stays the master copy",
+    )
+    parser.add_argument(
+        "--cpu-offload", action="store_true", help="keep sharded params and grads on the CPU"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sharding-strategy", choices=_STRATEGIES, default="FULL_SHARD")
@@ -101,6 +119,8 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
         warmup_steps=args.warmup_steps,
         weight_decay=args.weight_decay,
         grad_clip=args.grad_clip,
+        mixed_precision=args.mixed_precision,
+        cpu_offload=args.cpu_offload,
         seed=args.seed,
         sharding_strategy=ShardingStrategy[args.sharding_strategy],
         use_orig_params=args.use_orig_params,
@@ -184,6 +204,8 @@ def build_model(config: TrainConfig, device: torch.device) -> FSDP:
         auto_wrap_policy=ModuleWrapPolicy({Block}),
         sharding_strategy=config.sharding_strategy,
         use_orig_params=config.use_orig_params,
+        mixed_precision=_PRECISIONS[config.mixed_precision],
+        cpu_offload=CPUOffload(offload_params=config.cpu_offload),
         device_id=device,
         device_mesh=hybrid_mesh(device) if is_hybrid else None,
     )
@@ -248,10 +270,14 @@ def train(config: TrainConfig, device: torch.device) -> int:
     generator = torch.Generator().manual_seed(config.seed * 1_000 + rank)
     tokens_per_step = config.batch_size * config.seq_len * world_size
     logger.info(
-        "%d ranks, %s, use_orig_params=%s, %s train bytes, %d tokens/step",
+        "%d ranks, %s, use_orig_params=%s, mixed precision %s, cpu offload %s, grad clip %s, "
+        "%s train bytes, %d tokens/step",
         world_size,
         config.sharding_strategy.name,
         config.use_orig_params,
+        config.mixed_precision,
+        config.cpu_offload,
+        config.grad_clip,
         f"{train_data.numel():,}",
         tokens_per_step,
     )
