@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import _init_utils
 from ._process_groups import ShardingGroups, effective_strategy, resolve_groups
 from ._runtime import RootState, TrainingState, UnitRuntime, iter_tensors, map_tensors
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
@@ -50,6 +51,11 @@ class _Settings:
     mixed_precision: MixedPrecision | None
     """None when no field is set: the unit computes in the parameters' own dtype."""
     offload_params: bool
+    ignored_modules: tuple[nn.Module, ...]
+    """As given (their subtrees are ignored too): left unmanaged, unmoved, uncast."""
+    ignored_params: tuple[nn.Parameter, ...]
+    param_init_fn: Callable[[nn.Module], None] | None
+    sync_module_states: bool
 
 
 def _not_yet(option: str, issue: str) -> NotImplementedError:
@@ -65,11 +71,6 @@ def _check_supported(kwargs: dict[str, Any]) -> None:
         raise _not_yet("backward_prefetch=BackwardPrefetch.BACKWARD_POST", "prefetch")
     if kwargs.get("forward_prefetch"):
         raise _not_yet("forward_prefetch=True", "prefetch")
-    for option in ("ignored_modules", "ignored_states", "param_init_fn"):
-        if kwargs.get(option) is not None:
-            raise _not_yet(option, "construction options")
-    if kwargs.get("sync_module_states"):
-        raise _not_yet("sync_module_states=True", "construction options")
 
 
 def _resolve_mixed_precision(mixed_precision: Any) -> MixedPrecision | None:
@@ -150,6 +151,13 @@ def _resolve_settings(kwargs: dict[str, Any]) -> _Settings:
     prefetch = kwargs.get("backward_prefetch", BackwardPrefetch.BACKWARD_PRE)
     if prefetch is not None and not isinstance(prefetch, BackwardPrefetch):
         raise TypeError(f"backward_prefetch must be a BackwardPrefetch or None, got {prefetch!r}")
+    ignored_modules, ignored_params = _init_utils.resolve_ignored(
+        kwargs.get("ignored_modules"), kwargs.get("ignored_states")
+    )
+    _init_utils.check_not_fsdp(ignored_modules, FullyShardedDataParallel)
+    param_init_fn = kwargs.get("param_init_fn")
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise ValueError(f"Expected {param_init_fn} to be callable but got {type(param_init_fn)}")
     return _Settings(
         strategy=effective_strategy(strategy, groups),
         groups=groups,
@@ -159,6 +167,10 @@ def _resolve_settings(kwargs: dict[str, Any]) -> _Settings:
         device_id=_resolve_device_id(kwargs.get("device_id")),
         mixed_precision=_resolve_mixed_precision(kwargs.get("mixed_precision")),
         offload_params=bool(cpu_offload is not None and cpu_offload.offload_params),
+        ignored_modules=ignored_modules,
+        ignored_params=ignored_params,
+        param_init_fn=param_init_fn,
+        sync_module_states=bool(kwargs.get("sync_module_states", False)),
     )
 
 
@@ -214,7 +226,8 @@ class FullyShardedDataParallel(nn.Module):
             )
         settings = _resolve_settings(kwargs)
         if auto_wrap_policy is not None:
-            _auto_wrap(module, auto_wrap_policy, kwargs, settings.mixed_precision)
+            ignored = _init_utils.expand_ignored(module, settings.ignored_modules)
+            _auto_wrap(module, auto_wrap_policy, kwargs, settings.mixed_precision, ignored)
         self._init_unit(module, settings, excluded_params=set())
 
     @classmethod
@@ -250,10 +263,25 @@ class FullyShardedDataParallel(nn.Module):
         self._use_full_prec_in_eval = os.environ.get(_USE_FULL_PREC_IN_EVAL, "") == "1"
         self.sharding_strategy = settings.strategy
         self.process_group = settings.groups.shard
+        self._ignored_modules = _init_utils.expand_ignored(module, settings.ignored_modules)
+        """Modules (whole subtrees) this unit leaves alone: unmanaged, unmoved, uncast."""
+        ignored_params = {
+            p for m in self._ignored_modules for p in m.parameters(recurse=False)
+        } | set(settings.ignored_params)
+        managed_modules = _modules_of_unit(self)
+        _init_utils.materialize(
+            managed_modules,
+            ignored_params,
+            settings.param_init_fn,
+            settings.device_id or _default_materialization_device(),
+        )
         if settings.device_id is not None:
-            module.to(settings.device_id)
-        params, owners, fqns = _collect_unit_params(module, excluded_params)
-        self.compute_device: torch.device = _compute_device(params, module, settings.device_id)
+            _move_managed(managed_modules, ignored_params, settings.device_id)
+        params, owners, fqns = _collect_unit_params(module, excluded_params | ignored_params)
+        buffers = [b for m in managed_modules for b in m.buffers(recurse=False)]
+        self.compute_device: torch.device = _compute_device(params, buffers, settings.device_id)
+        if settings.sync_module_states:
+            _init_utils.sync_module_states([p.detach() for p in params] + buffers, settings.groups)
         self._handle: FlatParamHandle | None = None
         if params:
             self._handle = FlatParamHandle(
@@ -538,7 +566,9 @@ def _modules_of_unit(unit: FullyShardedDataParallel) -> list[nn.Module]:
     def visit(module: nn.Module) -> None:
         result.append(module)
         for child in module.children():
-            if not isinstance(child, FullyShardedDataParallel):
+            if not isinstance(child, FullyShardedDataParallel) and (
+                child not in unit._ignored_modules
+            ):
                 visit(child)
 
     visit(unit.module)
@@ -555,12 +585,33 @@ def _check_homogeneous(units: list[FullyShardedDataParallel]) -> None:
             )
 
 
+def _default_materialization_device() -> torch.device:
+    """Where meta-device modules are materialised without device_id (torch's choice)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _move_managed(
+    modules: list[nn.Module], ignored_params: set[nn.Parameter], device: torch.device
+) -> None:
+    """Move the managed modules' own parameters and buffers to ``device`` (not ignored ones)."""
+    with torch.no_grad():
+        for module in modules:
+            for param in module._parameters.values():
+                if param is not None and param not in ignored_params and param.device != device:
+                    param.data = param.data.to(device)
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.device != device:
+                    module._buffers[name] = buffer.to(device)
+
+
 def _compute_device(
-    params: list[nn.Parameter], module: nn.Module, device_id: torch.device | None
+    params: list[nn.Parameter], buffers: list[torch.Tensor], device_id: torch.device | None
 ) -> torch.device:
     if device_id is not None:
         return device_id
-    devices = {p.device for p in params} | {b.device for b in module.buffers()}
+    devices = {p.device for p in params} | {b.device for b in buffers}
     if len(devices) > 1:
         raise RuntimeError(
             f"FSDP only supports single device modules but got params on {devices}; move the "
@@ -648,6 +699,7 @@ def _auto_wrap(
     policy: Any,
     kwargs: dict[str, Any],
     mixed_precision: MixedPrecision | None,
+    ignored: set[nn.Module],
 ) -> None:
     """Wrap the policy's target submodules of ``root`` bottom-up, in place.
 
@@ -659,10 +711,14 @@ def _auto_wrap(
     resolved = resolve_policy(policy)
     if resolved is None:
         return
-    targets = resolved._run_policy(root, set(), dict(kwargs))
+    targets = resolved._run_policy(root, ignored, dict(kwargs))
     if mixed_precision is not None and mixed_precision._module_classes_to_ignore:
         ignored_classes = tuple(mixed_precision._module_classes_to_ignore)
-        overridden = [m for m in root.modules() if m is not root and isinstance(m, ignored_classes)]
+        overridden = [
+            m
+            for m in root.modules()
+            if m is not root and m not in ignored and isinstance(m, ignored_classes)
+        ]
         if overridden:
             warnings.warn(
                 "Both mixed precision and an auto_wrap_policy were specified to FSDP, where the "

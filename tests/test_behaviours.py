@@ -822,18 +822,12 @@ def test_summon_raises_when_called_during_forward(strategy: ShardingStrategy) ->
 def _unsupported_kwargs(option: str, model: nn.Module) -> dict[str, Any]:
     values: dict[str, Any] = {
         "forward_prefetch": True,
-        "ignored_modules": [getattr(model, "out_proj", None)],
-        "param_init_fn": lambda module: None,
-        "sync_module_states": True,
     }
     return {option: values[option]}
 
 
 UNSUPPORTED = {
     "forward_prefetch": "forward_prefetch",
-    "ignored_modules": "ignored_modules",
-    "param_init_fn": "param_init_fn",
-    "sync_module_states": "sync_module_states",
 }
 
 
