@@ -11,6 +11,7 @@ from . import wrap
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .flat_param import FlatParameter
 from .fully_sharded_data_parallel import FullyShardedDataParallel
+from .sharded_grad_scaler import ShardedGradScaler
 
 __all__ = [
     "BackwardPrefetch",
@@ -18,6 +19,7 @@ __all__ = [
     "FlatParameter",
     "FullyShardedDataParallel",
     "MixedPrecision",
+    "ShardedGradScaler",
     "ShardingStrategy",
     "wrap",
 ]
