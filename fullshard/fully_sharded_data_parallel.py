@@ -225,6 +225,13 @@ class FullyShardedDataParallel(nn.Module):
                 "the module is already a FullyShardedDataParallel instance; wrap it only once"
             )
         settings = _resolve_settings(kwargs)
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            warnings.warn(
+                "FSDP will not all-gather parameters for containers that do not implement "
+                f"forward: {type(module).__name__}. Wrap the modules it holds (or a module that "
+                "calls them) instead, or pass an auto_wrap_policy that wraps them",
+                stacklevel=2,
+            )
         if auto_wrap_policy is not None:
             ignored = _init_utils.expand_ignored(module, settings.ignored_modules)
             _auto_wrap(module, auto_wrap_policy, kwargs, settings.mixed_precision, ignored)

@@ -164,3 +164,16 @@ def _construction_errors() -> None:
 def test_construction_errors_name_the_problem() -> None:
     """Conflicting or mistyped ignored/param_init_fn options raise with torch's messages."""
     run_on_ranks(2, _construction_errors)
+
+
+def _containers_without_forward() -> None:
+    regex = "FSDP will not all-gather parameters for containers that do not implement forward"
+    with pytest.warns(UserWarning, match=regex):
+        FSDP(nn.ModuleList([nn.Linear(8, 8) for _ in range(3)]))
+    with pytest.warns(UserWarning, match=regex):
+        FSDP(nn.ModuleDict({"1": nn.Linear(8, 8), "2": nn.Linear(8, 8)}))
+
+
+def test_module_list_and_dict_warn() -> None:
+    """Seed 003's test_fsdp_unsupported_module_cls: ModuleList/ModuleDict roots warn."""
+    run_on_ranks(2, _containers_without_forward)
