@@ -35,12 +35,12 @@ Deviations from the seed, and why:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from subtests import run_subtests
 from torch import nn
 from torch.nn import TransformerDecoderLayer, TransformerEncoderLayer
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -60,27 +60,6 @@ DDP_PARITY_STRATEGIES: list[ShardingStrategy | str] = [
     ShardingStrategy.NO_SHARD,
     "mixed_strategy",
 ]
-
-
-def _run_subtests(subtest_config: dict[str, list[Any]], test_fn: Callable[..., None]) -> int:
-    """Call ``test_fn`` on every combination of the config's values, as torch's
-    ``FSDPTest.run_subtests`` does (with a barrier after each); return how many ran.
-
-    A failing subtest prints its arguments and the rank before the exception propagates.
-    """
-    keys = list(subtest_config)
-    count = 0
-    for values in itertools.product(*(subtest_config[key] for key in keys)):
-        kwargs = dict(zip(keys, values, strict=True))
-        try:
-            test_fn(**kwargs)
-        except BaseException:
-            # The harness shows a failing rank's output with its traceback.
-            print(f"rank {dist.get_rank()}: subtest {kwargs} failed", flush=True)
-            raise
-        dist.barrier()
-        count += 1
-    return count
 
 
 # ----------------------------------------------------------------------------------------
@@ -241,7 +220,7 @@ def _test_ddp_parity(
 
 
 def _check_ddp_parity(device: str, sharding_strategy: ShardingStrategy | str) -> int:
-    return _run_subtests(
+    return run_subtests(
         {
             "device": [device],
             "max_norm": MAX_NORMS,
@@ -310,7 +289,7 @@ def _test_low_precision_grads(
 
 
 def _check_low_precision_grads(device: str) -> int:
-    return _run_subtests(
+    return run_subtests(
         {
             "device": [device],
             "max_norm": MAX_NORMS,
@@ -362,7 +341,7 @@ def _test_no_gradients(device: str, use_orig_params: bool) -> None:
 
 
 def _check_no_gradients(device: str) -> int:
-    return _run_subtests(
+    return run_subtests(
         {"device": [device], "use_orig_params": [False, True]},
         _test_no_gradients,
     )

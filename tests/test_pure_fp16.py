@@ -56,6 +56,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from subtests import zero_model
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -98,13 +99,6 @@ def _convert(module: nn.Module, dtype: torch.dtype) -> nn.Module:
 # test_pure_fp16_training
 
 
-def _zero_model(model: nn.Module) -> None:
-    """common_fsdp's ``_zero_model``: zero every parameter in place, full parameters visible."""
-    with FSDP.summon_full_params(model), torch.no_grad():
-        for param in model.parameters():
-            param.zero_()
-
-
 def _train_for_several_steps(
     model: nn.Module,
     num_steps: int,
@@ -138,7 +132,7 @@ def _train_for_several_steps(
         optim.step()
         if save_model:
             state_dict = {k: v.clone() for k, v in model.state_dict().items()}
-            _zero_model(model)
+            zero_model(model)
             model.load_state_dict(state_dict)
     if is_fsdp:
         states = {unit._runtime.training_state for unit in FSDP.fsdp_modules(model)}

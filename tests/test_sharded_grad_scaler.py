@@ -70,12 +70,13 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from subtests import run_subtests, zero_model
 from torch import Tensor, nn
 from torch.nn import TransformerDecoderLayer, TransformerEncoderLayer
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -120,23 +121,6 @@ TEST_NAME_MAPPING = {
 def _subtest_name(*args: Any) -> str:
     """common_fsdp's ``subtest_name``: the config's values joined, None as "none"."""
     return "_".join(TEST_NAME_MAPPING[str(s)] if s is not None else "none" for s in args)
-
-
-def _run_subtests(subtest_config: dict[str, list[Any]], test_fn: Callable[..., None]) -> int:
-    """Call ``test_fn`` on every combination of the config's values (a fresh deep copy of
-    each, as torch's ``run_subtests`` does), with a barrier after each; return the count."""
-    keys = list(subtest_config)
-    count = 0
-    for values in itertools.product(*(subtest_config[key] for key in keys)):
-        kwargs = copy.deepcopy(dict(zip(keys, values, strict=True)))
-        try:
-            test_fn(**kwargs)
-        except BaseException:
-            print(f"rank {dist.get_rank()}: subtest {kwargs} failed", flush=True)
-            raise
-        dist.barrier()
-        count += 1
-    return count
 
 
 # ----------------------------------------------------------------------------------------
@@ -238,13 +222,6 @@ def _nested_model(model_cls: type[NestedWrappedModule], fsdp_kwargs: dict[str, A
     return model
 
 
-def _zero_model(model: nn.Module) -> None:
-    """common_fsdp's ``_zero_model``: zero every parameter, full parameters visible."""
-    with FSDP.summon_full_params(model), torch.no_grad():
-        for param in model.parameters():
-            param.zero_()
-
-
 def _train_for_several_steps(
     model: nn.Module,
     num_steps: int,
@@ -303,7 +280,7 @@ def _train_for_several_steps(
             state_dict = {k: v.clone() for k, v in model.state_dict().items()}
             # Zero params, if save/load state_dict did not work properly, this
             # would break the parity test with DDP.
-            _zero_model(model)
+            zero_model(model)
             model.load_state_dict(state_dict)
     if is_fsdp:
         states = {unit._runtime.training_state for unit in FSDP.fsdp_modules(model)}
@@ -545,7 +522,7 @@ def _test_sharded_grad_scaler_found_inf(use_orig_params: bool, cpu_offload: CPUO
 
 
 def _check_sharded_grad_scaler_found_inf() -> int:
-    return _run_subtests(
+    return run_subtests(
         {
             "use_orig_params": [False, True],
             "cpu_offload": [CPUOffload(offload_params=True), CPUOffload(offload_params=False)],
@@ -665,7 +642,7 @@ def _test_inf_in_one_rank_shard(
 
 
 def _check_inf_in_one_rank_shard() -> int:
-    return _run_subtests(
+    return run_subtests(
         {
             "sharding_strategy": [
                 ShardingStrategy.FULL_SHARD,
@@ -690,7 +667,7 @@ def test_inf_in_one_rank_shard_skips_step_on_every_rank() -> None:
 
 
 def _check_inf_in_one_rank_shard_fused_adam() -> int:
-    return _run_subtests(
+    return run_subtests(
         {
             "sharding_strategy": [ShardingStrategy.FULL_SHARD],
             "use_orig_params": [False, True],
