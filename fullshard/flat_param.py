@@ -233,6 +233,9 @@ class FlatParamHandle:
         self._unshard_input: torch.Tensor | None = None
         """The cast or copied shard an all-gather in flight reads from."""
         self._pending_reduction: _PendingReduction | None = None
+        self._has_optim_in_backward = False
+        """Original parameters step their own optimizers as gradients are reduced (see
+        [Note: optimizer in backward]); set at lazy initialisation."""
         self.has_detached_frozen_views = self.flat_param.requires_grad and not all(
             slot.requires_grad for slot in self.layout.slots
         )
@@ -273,8 +276,10 @@ class FlatParamHandle:
     def _make_flat_param(self, params: list[nn.Parameter]) -> FlatParameter:
         layout = self.layout
         with torch.no_grad():
+            # On the parameters' device: a CPU module stays on the CPU until the user moves
+            # it to the compute device (see [Note: devices] in _init_utils).
             flat = torch.empty(
-                layout.padded_numel, dtype=self._orig_param_dtype, device=self.device
+                layout.padded_numel, dtype=self._orig_param_dtype, device=params[0].device
             )
             flat[layout.numel :].zero_()
             for slot, param in zip(layout.slots, params):
@@ -290,8 +295,12 @@ class FlatParamHandle:
         if not self._offload_params:
             return tensor
         tensor = tensor.to("cpu")
-        if self.device.type == "cuda":  # pinned, so copies to the device can be asynchronous
-            tensor = tensor.pin_memory()
+        return self._pinned(tensor)
+
+    def _pinned(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Offloaded CPU tensors are pinned when computing on CUDA, so copies are async."""
+        if self.device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():
+            return tensor.pin_memory()
         return tensor
 
     def _make_unsharded(self, dtype: torch.dtype) -> _Unsharded:
@@ -350,15 +359,26 @@ class FlatParamHandle:
             # flat parameter, so drop the original storage.
             param.data = param.data.new_empty(0)
 
+    def check_adoptable(self, converted: torch.Tensor) -> None:
+        """The flat parameter keeps its identity (optimizers hold it), so a conversion must
+        give a tensor it can take in place (``.data``), which e.g. CPU <-> meta cannot."""
+        if not torch._has_compatible_shallow_copy_type(self.flat_param, converted):
+            raise RuntimeError(
+                f"cannot convert FSDP unit '{self.label}' from {self.flat_param.device} to "
+                f"{converted.device}: its flat parameter cannot take a tensor of that type in "
+                "place. Move or cast the module before wrapping it in FSDP instead"
+            )
+
     def adopt_shard(self, local_shard: torch.Tensor, grad: torch.Tensor | None) -> None:
         """Make ``local_shard`` (and ``grad``) the shard after ``module.half()``, ``.to()``...
 
         ``nn.Module._apply`` converts registered parameters by replacing their data; this
         re-points the shard, the unsharded buffer, the leaf and the original parameters'
-        views at the converted tensors. The compute device follows the shard's unless the
-        parameters are offloaded.
+        views at the converted tensors. The compute device stays: a shard moved elsewhere is
+        reported at the next forward (``_init_utils.check_on_compute_device``).
         """
         self._assert_state(HandleState.SHARDED, "adopt_shard")
+        self.check_adoptable(local_shard)
         if self.has_unsharded_grad() or self._pending_reduction is not None:
             raise RuntimeError(
                 f"cannot convert FSDP unit '{self.label}' while it holds an unreduced gradient "
@@ -366,10 +386,8 @@ class FlatParamHandle:
                 "or after the optimizer step"
             )
         if self._offload_params:
-            local_shard = self._to_shard_device(local_shard)
-            grad = self._to_shard_device(grad) if grad is not None else None
-        else:
-            self.device = local_shard.device
+            local_shard = self._pinned(local_shard)
+            grad = self._pinned(grad) if grad is not None else None
         self.flat_param.data = local_shard
         self.flat_param._local_shard = local_shard
         self._set_dtypes(local_shard.dtype)
@@ -402,6 +420,11 @@ class FlatParamHandle:
     @property
     def param_fqns(self) -> list[str]:
         return [slot.fqn for slot in self.layout.slots]
+
+    @property
+    def offload_params(self) -> bool:
+        """The shard and its gradient live on the CPU (``CPUOffload(offload_params=True)``)."""
+        return self._offload_params
 
     def _sharded_piece_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per parameter, its piece of the shard-shaped ``flat`` (empty if it has none)."""
@@ -579,8 +602,7 @@ class FlatParamHandle:
             reduced.div_(pending.postdivide)
         dtype = reduced.dtype if self._keep_low_precision_grads else self._orig_param_dtype
         reduced = reduced.to(device=self._shard_device, dtype=dtype)
-        if self._use_orig_params:
-            self._pull_orig_grads()
+        self.sync_orig_grads()
         flat_grad = self.flat_param.grad
         if flat_grad is None:
             _assign_grad(self.flat_param, reduced)
@@ -588,6 +610,45 @@ class FlatParamHandle:
             flat_grad.add_(reduced)
         if self._use_orig_params:
             self._use_sharded_grad_views()
+        if self._has_optim_in_backward:
+            self._step_optimizers_in_backward()
+
+    # [Note: optimizer in backward]
+    # `torch.distributed.optim._apply_optimizer_in_backward(..., register_hook=False)` gives
+    # each parameter its own optimizers (`param._in_backward_optimizers`) and leaves running
+    # them to FSDP: as soon as a unit's sharded gradient is final, each original parameter
+    # with a gradient steps and its gradient is freed, so no sharded gradient outlives the
+    # backward. Only `use_orig_params=True` exposes the original parameters to optimizers.
+
+    def init_optimizers_in_backward(self) -> None:
+        """At lazy initialisation: find optimizers applied in backward (see the note)."""
+        if hasattr(self.flat_param, "_in_backward_optimizers"):
+            raise RuntimeError(
+                "FSDP optimizer in backward only supported with use_orig_params=True! "
+                f"_apply_optimizer_in_backward was given the flat parameter of FSDP unit "
+                f"'{self.label}'; construct every unit with use_orig_params=True and apply it to "
+                "model.parameters()"
+            )
+        self._has_optim_in_backward = self._use_orig_params and any(
+            hasattr(param, "_in_backward_optimizers") for param in self._orig_params
+        )
+
+    def _step_optimizers_in_backward(self) -> None:
+        for param in self._orig_params:
+            if param.grad is None:  # frozen, or no piece of it on this rank
+                continue
+            for optim in getattr(param, "_in_backward_optimizers", ()):
+                optim.step()
+                optim.zero_grad(set_to_none=True)
+        self.flat_param.grad = None
+        for param in self._orig_params:
+            param.grad = None
+
+    def sync_orig_grads(self) -> None:
+        """Make the sharded gradient reflect the original parameters' ``.grad`` (after e.g.
+        ``optim.zero_grad()``), before anything re-derives their grads from it."""
+        if self._use_orig_params:
+            self._pull_orig_grads()
 
     def _pull_orig_grads(self) -> None:
         """``use_orig_params``: adopt what the user did to the original parameters' grads.
@@ -635,6 +696,7 @@ class FlatParamHandle:
     def expose_unsharded_params(self) -> None:
         """Make the full parameters visible as registered ``nn.Parameter`` s (for summon)."""
         self._assert_state(HandleState.UNSHARDED, "expose_unsharded_params")
+        self.sync_orig_grads()  # leaving re-attaches grads from the sharded gradient
         views = [v.detach() for v in self._unsharded_views()]
         for param, view, slot_owners in zip(self._orig_params, views, self._owners):
             exposed = param

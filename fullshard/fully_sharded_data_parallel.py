@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import _init_utils
@@ -102,17 +103,6 @@ def _resolve_mixed_precision(mixed_precision: Any) -> MixedPrecision | None:
     return mixed_precision
 
 
-def _resolve_device_id(device_id: int | str | torch.device | None) -> torch.device | None:
-    if device_id is None:
-        return None
-    if isinstance(device_id, int):
-        return torch.device("cuda", device_id)
-    device = torch.device(device_id)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 _CONSTRUCTOR_OPTIONS = frozenset(
     [
         "process_group",
@@ -164,7 +154,9 @@ def _resolve_settings(kwargs: dict[str, Any]) -> _Settings:
         use_orig_params=bool(kwargs.get("use_orig_params", False)),
         backward_prefetch=prefetch,
         limit_all_gathers=bool(kwargs.get("limit_all_gathers", True)),
-        device_id=_resolve_device_id(kwargs.get("device_id")),
+        device_id=_init_utils.device_from_device_id(
+            kwargs.get("device_id"), dist.get_rank() if dist.is_initialized() else 0
+        ),
         mixed_precision=_resolve_mixed_precision(kwargs.get("mixed_precision")),
         offload_params=bool(cpu_offload is not None and cpu_offload.offload_params),
         ignored_modules=ignored_modules,
@@ -276,17 +268,29 @@ class FullyShardedDataParallel(nn.Module):
             p for m in self._ignored_modules for p in m.parameters(recurse=False)
         } | set(settings.ignored_params)
         managed_modules = _modules_of_unit(self)
+        default_device = _init_utils.default_compute_device(settings.groups.shard)
         _init_utils.materialize(
             managed_modules,
             ignored_params,
             settings.param_init_fn,
-            settings.device_id or _default_materialization_device(),
+            settings.device_id or default_device,
         )
-        if settings.device_id is not None:
-            _move_managed(managed_modules, ignored_params, settings.device_id)
         params, owners, fqns = _collect_unit_params(module, excluded_params | ignored_params)
+        where = f"the module of type {type(module).__name__} wrapped by FSDP"
+        _init_utils.check_single_device(list(zip(fqns, params)), settings.device_id, where)
+        if settings.device_id is not None:
+            _init_utils.move_cpu_states(managed_modules, ignored_params, settings.device_id)
+        elif params and params[0].device.type == "cpu" and default_device.type != "cpu":
+            _init_utils.warn_cpu_init()
+        self.compute_device: torch.device = _init_utils.compute_device(
+            params[0].device if params else None,
+            settings.device_id,
+            default_device,
+            dist.get_rank() if dist.is_initialized() else 0,
+        )
+        """Where the unit computes (see [Note: devices] in ``_init_utils``); fixed at
+        construction: moving the module later must match it."""
         buffers = [b for m in managed_modules for b in m.buffers(recurse=False)]
-        self.compute_device: torch.device = _compute_device(params, buffers, settings.device_id)
         if settings.sync_module_states:
             _init_utils.sync_module_states([p.detach() for p in params] + buffers, settings.groups)
         self._handle: FlatParamHandle | None = None
@@ -352,6 +356,13 @@ class FullyShardedDataParallel(nn.Module):
         with torch.autograd.profiler.record_function(f"fullshard::forward({label})"):
             full_precision = self._forces_full_precision()
             mixed_precision = self._mixed_precision
+            if self._handle is not None:
+                _init_utils.check_on_compute_device(
+                    self._handle.flat_param.device,
+                    self.compute_device,
+                    self._handle.offload_params,
+                    label,
+                )
             if runtime.is_root:
                 args, kwargs = self._to_compute_device(args, kwargs)
                 self._cast_buffers(full_precision)
@@ -419,6 +430,7 @@ class FullyShardedDataParallel(nn.Module):
             unit._runtime.is_root = unit is self
             if unit._handle is not None:
                 unit._handle.label = fqn or "(root)"
+                unit._handle.init_optimizers_in_backward()
             unit._managed_buffers = [
                 (module, name, buffer.dtype)
                 for module in _modules_of_unit(unit)
@@ -444,6 +456,8 @@ class FullyShardedDataParallel(nn.Module):
                     "summon_full_params"
                 )
             handle.reshard()  # kept unsharded by a forward with no backward
+        if handle is not None:
+            handle.sync_orig_grads()  # before `_apply` converts the original grads apart
         result = super()._apply(fn, recurse)
         if handle is None:
             return result
@@ -455,10 +469,11 @@ class FullyShardedDataParallel(nn.Module):
         else:
             registered = self._fsdp_wrapped_module._parameters[FLAT_PARAM]
             assert registered is not None
-            if registered is not flat_param:  # torch.__future__ overwrite-on-conversion
+            if registered is not flat_param:  # overwritten: torch.__future__, or meta
+                self._fsdp_wrapped_module._parameters[FLAT_PARAM] = flat_param
+                handle.check_adoptable(registered.data)
                 flat_param.data = registered.data
                 flat_param.grad = registered.grad
-                self._fsdp_wrapped_module._parameters[FLAT_PARAM] = flat_param
             new_shard, grad = flat_param.data, flat_param.grad
         unchanged = (
             new_shard.data_ptr() == local_shard.data_ptr()
@@ -467,7 +482,6 @@ class FullyShardedDataParallel(nn.Module):
         )
         if not unchanged:
             handle.adopt_shard(new_shard, grad)
-            self.compute_device = handle.device
         return result
 
     def check_is_root(self) -> bool:
@@ -590,41 +604,6 @@ def _check_homogeneous(units: list[FullyShardedDataParallel]) -> None:
                 f"Expects one homogeneous value for {attr_name} but got {values}; pass the same "
                 "value to every FullyShardedDataParallel constructor (and the same environment)"
             )
-
-
-def _default_materialization_device() -> torch.device:
-    """Where meta-device modules are materialised without device_id (torch's choice)."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _move_managed(
-    modules: list[nn.Module], ignored_params: set[nn.Parameter], device: torch.device
-) -> None:
-    """Move the managed modules' own parameters and buffers to ``device`` (not ignored ones)."""
-    with torch.no_grad():
-        for module in modules:
-            for param in module._parameters.values():
-                if param is not None and param not in ignored_params and param.device != device:
-                    param.data = param.data.to(device)
-            for name, buffer in module._buffers.items():
-                if buffer is not None and buffer.device != device:
-                    module._buffers[name] = buffer.to(device)
-
-
-def _compute_device(
-    params: list[nn.Parameter], buffers: list[torch.Tensor], device_id: torch.device | None
-) -> torch.device:
-    if device_id is not None:
-        return device_id
-    devices = {p.device for p in params} | {b.device for b in buffers}
-    if len(devices) > 1:
-        raise RuntimeError(
-            f"FSDP only supports single device modules but got params on {devices}; move the "
-            "module to one device or pass device_id"
-        )
-    return devices.pop() if devices else torch.device("cpu")
 
 
 def _collect_unit_params(

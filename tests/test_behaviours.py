@@ -971,3 +971,48 @@ def test_orig_params_are_optimizer_params_when_use_orig_params_three_ranks(
 ) -> None:
     """With use_orig_params the optimizer steps the original nn.Parameter objects, like DDP."""
     run_on_ranks(3, _check_orig_params_identity, strategy)
+
+
+def _check_set_to_none_then_summon(strategy: ShardingStrategy, set_to_none: bool) -> None:
+    torch.manual_seed(0)
+    local = three_linears()
+    model = FSDP(
+        three_linears(), sharding_strategy=strategy, use_orig_params=True,
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+    )  # fmt: skip
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    local_optim = torch.optim.SGD(local.parameters(), lr=0.1)
+    torch.manual_seed(1 + dist.get_rank())
+    for step in range(3):
+        inp = torch.randn(4, 8)
+        model(inp).sum().backward()
+        local(inp).sum().backward()
+        for param in local.parameters():
+            assert param.grad is not None
+            dist.all_reduce(param.grad)
+            param.grad /= dist.get_world_size()
+        optim.step()
+        local_optim.step()
+        optim.zero_grad(set_to_none=set_to_none)
+        local_optim.zero_grad(set_to_none=set_to_none)
+        # Leaving summon re-derives the original grads from the sharded gradient: it must
+        # see what zero_grad() did to them, or the next step adds a stale gradient.
+        with FSDP.summon_full_params(model):
+            for (name, p), q in zip(model.named_parameters(), local.parameters(), strict=True):
+                torch.testing.assert_close(p, q, msg=f"{name} after step {step}")
+        for param in model.parameters():
+            if set_to_none or param.numel() == 0:  # no piece of it on this rank: no grad
+                assert param.grad is None
+            else:
+                assert param.grad is not None and not param.grad.any()
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("strategy", [ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD])
+def test_zero_grad_then_summon_keeps_grads_cleared(
+    strategy: ShardingStrategy, set_to_none: bool
+) -> None:
+    """use_orig_params: optim.zero_grad() (set_to_none or not) followed by
+    summon_full_params leaves no stale gradient for the next step (parity with a local model
+    stepping averaged gradients, 3 SGD steps)."""
+    run_on_ranks(2, _check_set_to_none_then_summon, strategy, set_to_none)
