@@ -8,7 +8,22 @@ Switch from torch by changing one import::
 from __future__ import annotations
 
 from . import wrap
-from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .api import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    MixedPrecision,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
 from .flat_param import FlatParameter
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 from .sharded_grad_scaler import ShardedGradScaler
@@ -17,9 +32,19 @@ __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
     "FlatParameter",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
     "FullyShardedDataParallel",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
     "MixedPrecision",
+    "OptimStateDictConfig",
     "ShardedGradScaler",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
     "ShardingStrategy",
+    "StateDictConfig",
+    "StateDictSettings",
+    "StateDictType",
     "wrap",
 ]

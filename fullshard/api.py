@@ -8,7 +8,22 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["BackwardPrefetch", "CPUOffload", "MixedPrecision", "ShardingStrategy"]
+__all__ = [
+    "BackwardPrefetch",
+    "CPUOffload",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
+    "MixedPrecision",
+    "OptimStateDictConfig",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
+    "ShardingStrategy",
+    "StateDictConfig",
+    "StateDictSettings",
+    "StateDictType",
+]
 
 
 class ShardingStrategy(enum.Enum):
@@ -65,3 +80,78 @@ class MixedPrecision:
         default=(nn.modules.batchnorm._BatchNorm,)
     )
     """Module classes that run in full precision (each wrapped in its own unit)."""
+
+
+class StateDictType(enum.Enum):
+    """What ``state_dict()`` returns and ``load_state_dict()`` expects (set with
+    ``FullyShardedDataParallel.state_dict_type``)."""
+
+    FULL_STATE_DICT = enum.auto()
+    """The unwrapped model's keys and full tensors: loads into the plain model."""
+    LOCAL_STATE_DICT = enum.auto()
+    """Each unit's flat shard (``<unit path>._flat_param``), as a DTensor over the unit's
+    ranks: only loads back at the same world size and wrapping."""
+    SHARDED_STATE_DICT = enum.auto()
+    """The unwrapped model's keys, each parameter a DTensor sharded on dim 0 over the
+    unit's ranks: save and load with ``torch.distributed.checkpoint``, at any world size."""
+
+
+@dataclass
+class StateDictConfig:
+    """Options shared by every state dict type."""
+
+    offload_to_cpu: bool = False
+    """Return tensors on the CPU (saves accelerator memory while saving)."""
+
+
+@dataclass
+class FullStateDictConfig(StateDictConfig):
+    """FULL_STATE_DICT options."""
+
+    rank0_only: bool = False
+    """Only rank 0 returns the state dict (the others return an empty dict); units are
+    gathered one at a time, so no rank holds more than one unsharded unit at once."""
+
+
+@dataclass
+class LocalStateDictConfig(StateDictConfig):
+    """LOCAL_STATE_DICT options."""
+
+
+@dataclass
+class ShardedStateDictConfig(StateDictConfig):
+    """SHARDED_STATE_DICT options."""
+
+    _use_dtensor: bool = True
+    """Kept for torch's API; fullshard's sharded values are always DTensors."""
+
+
+@dataclass
+class OptimStateDictConfig:
+    """Options shared by every optimizer state dict type."""
+
+    offload_to_cpu: bool = True
+
+
+@dataclass
+class FullOptimStateDictConfig(OptimStateDictConfig):
+    rank0_only: bool = False
+
+
+@dataclass
+class LocalOptimStateDictConfig(OptimStateDictConfig):
+    offload_to_cpu: bool = False
+
+
+@dataclass
+class ShardedOptimStateDictConfig(OptimStateDictConfig):
+    _use_dtensor: bool = True
+
+
+@dataclass
+class StateDictSettings:
+    """A module's state dict type and configs (what ``get_state_dict_type`` returns)."""
+
+    state_dict_type: StateDictType
+    state_dict_config: StateDictConfig
+    optim_state_dict_config: OptimStateDictConfig

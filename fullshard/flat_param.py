@@ -421,6 +421,29 @@ class FlatParamHandle:
     def param_fqns(self) -> list[str]:
         return [slot.fqn for slot in self.layout.slots]
 
+    def full_param_views(self) -> list[torch.Tensor]:
+        """Detached views of the unsharded parameters (the handle must be unsharded)."""
+        self._assert_state(HandleState.UNSHARDED, "full_param_views")
+        return [view.detach() for view in self._unsharded_views()]
+
+    def load_full_param(self, index: int, value: torch.Tensor) -> None:
+        """Copy this rank's piece of parameter ``index``'s full ``value`` into the shard."""
+        self._assert_state(HandleState.SHARDED, "load_full_param")
+        slot = self.layout.slots[index]
+        if value.shape != slot.shape:
+            raise ValueError(
+                f"cannot load '{slot.fqn}' of FSDP unit '{self.label}': the state dict has shape "
+                f"{tuple(value.shape)} but the parameter has shape {tuple(slot.shape)}"
+            )
+        piece = self._pieces[index]
+        if piece is None:
+            return
+        source = value.detach().reshape(-1)[piece.param_start : piece.param_start + piece.numel]
+        with torch.no_grad():
+            self.flat_param._local_shard[piece.shard_start : piece.shard_start + piece.numel].copy_(
+                source
+            )
+
     @property
     def offload_params(self) -> bool:
         """The shard and its gradient live on the CPU (``CPUOffload(offload_params=True)``)."""

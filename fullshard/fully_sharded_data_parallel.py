@@ -17,10 +17,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _init_utils
+from . import _init_utils, _state_dict
 from ._process_groups import ShardingGroups, effective_strategy, resolve_groups
 from ._runtime import RootState, TrainingState, UnitRuntime, iter_tensors, map_tensors
-from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .api import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    MixedPrecision,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
 from .flat_param import FlatParameter, FlatParamHandle, HandleState
 
 __all__ = ["FSDP_WRAPPED_MODULE", "HOMOGENEOUS_ATTR_NAMES", "FullyShardedDataParallel"]
@@ -310,6 +325,10 @@ class FullyShardedDataParallel(nn.Module):
             if not settings.use_orig_params:
                 module.register_parameter(FLAT_PARAM, self._handle.flat_param)
         self._runtime = UnitRuntime(self._handle, settings.strategy)
+        self._state_dict_type = StateDictType.FULL_STATE_DICT
+        self._state_dict_config: StateDictConfig = FullStateDictConfig()
+        self._optim_state_dict_config: OptimStateDictConfig = FullOptimStateDictConfig()
+        self.register_load_state_dict_pre_hook(_state_dict.load_pre_hook)
         self._managed_buffers: list[tuple[nn.Module, str, torch.dtype]] = []
         """Floating-point buffers of this unit (not of nested units) and their own dtypes;
         filled at lazy initialisation."""
@@ -509,6 +528,130 @@ class FullyShardedDataParallel(nn.Module):
         from ._clip_grad import clip_grad_norm_
 
         return clip_grad_norm_(self, max_norm, norm_type)
+
+    # -- state dicts ------------------------------------------------------------------------
+
+    def state_dict(
+        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
+    ) -> Any:
+        """The model's state dict in the type set by ``state_dict_type`` (FULL by default:
+        the unwrapped model's keys and full tensors). Collective: call it on every rank."""
+        if args:
+            raise TypeError(
+                "FullyShardedDataParallel.state_dict() takes destination, prefix and keep_vars "
+                "as keyword arguments only"
+            )
+        return _state_dict.unit_state_dict(self, destination, prefix, keep_vars)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load a state dict of the type set by ``state_dict_type`` (collective). Missing and
+        unexpected keys are reported with the unwrapped model's names."""
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        missing = [clean_fqn(k) for k in result.missing_keys]
+        unexpected = [clean_fqn(k) for k in result.unexpected_keys]
+        if strict and (missing or unexpected):
+            parts = []
+            if unexpected:
+                parts.append(
+                    f"Unexpected key(s) in state_dict: {', '.join(map(repr, unexpected))}."
+                )
+            if missing:
+                parts.append(f"Missing key(s) in state_dict: {', '.join(map(repr, missing))}.")
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(self).__name__} "
+                f"({self._state_dict_type.name}):\n\t" + "\n\t".join(parts)
+            )
+        return type(result)(missing, unexpected)
+
+    @staticmethod
+    def set_state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> StateDictSettings:
+        """Set the state dict type of every FSDP unit in ``module``; returns the previous
+        settings (those of the first unit)."""
+        defaults: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDictConfig]]] = {
+            StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
+            StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
+            StateDictType.SHARDED_STATE_DICT: (
+                ShardedStateDictConfig,
+                ShardedOptimStateDictConfig,
+            ),
+        }
+        if not isinstance(state_dict_type, StateDictType):
+            raise TypeError(f"state_dict_type must be a StateDictType, got {state_dict_type!r}")
+        config_cls, optim_config_cls = defaults[state_dict_type]
+        config = state_dict_config if state_dict_config is not None else config_cls()
+        optim_config = (
+            optim_state_dict_config if optim_state_dict_config is not None else optim_config_cls()
+        )
+        if type(config) is not config_cls:
+            raise ValueError(
+                f"Expected state_dict_config of type {config_cls} but got {type(config)} for "
+                f"{state_dict_type}"
+            )
+        if type(optim_config) is not optim_config_cls:
+            raise ValueError(
+                f"Expected optim_state_dict_config of type {optim_config_cls} but got "
+                f"{type(optim_config)} for {state_dict_type}"
+            )
+        units = FullyShardedDataParallel.fsdp_modules(module)
+        if not units:
+            raise ValueError(
+                f"set_state_dict_type: {type(module).__name__} contains no FSDP unit; pass the "
+                "wrapped model"
+            )
+        previous = FullyShardedDataParallel.get_state_dict_type(module)
+        for unit in units:
+            unit._state_dict_type = state_dict_type
+            unit._state_dict_config = config
+            unit._optim_state_dict_config = optim_config
+        return previous
+
+    @staticmethod
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+        """The state dict settings shared by every FSDP unit in ``module``."""
+        settings: StateDictSettings | None = None
+        for unit in FullyShardedDataParallel.fsdp_modules(module):
+            current = StateDictSettings(
+                unit._state_dict_type, unit._state_dict_config, unit._optim_state_dict_config
+            )
+            if settings is None:
+                settings = current
+            elif settings != current:
+                raise AssertionError(
+                    "All FSDP modules must have the same state_dict settings. Got "
+                    f"{settings} and {current}; set them with "
+                    "FullyShardedDataParallel.set_state_dict_type(model, ...)"
+                )
+        if settings is None:
+            raise ValueError(f"{type(module).__name__} contains no FSDP unit")
+        return settings
+
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> Generator[None, None, None]:
+        """Within the block, ``state_dict()`` / ``load_state_dict()`` (and the optimizer state
+        dict functions) of every unit in ``module`` use ``state_dict_type``."""
+        previous = FullyShardedDataParallel.set_state_dict_type(
+            module, state_dict_type, state_dict_config, optim_state_dict_config
+        )
+        try:
+            yield
+        finally:
+            FullyShardedDataParallel.set_state_dict_type(
+                module,
+                previous.state_dict_type,
+                previous.state_dict_config,
+                previous.optim_state_dict_config,
+            )
 
     # -- public static methods ----------------------------------------------------------------
 

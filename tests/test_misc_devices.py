@@ -41,6 +41,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from subtests import run_subtests
+from test_misc import MyModel  # the seed's module-level model
 from torch import nn
 from torch.distributed.optim import _apply_optimizer_in_backward
 
@@ -61,18 +62,6 @@ CPU = torch.device("cpu")
 META = torch.device("meta")
 CUDA0 = torch.device("cuda", 0)
 CUDA1 = torch.device("cuda", 1)
-
-
-class MyModel(nn.Module):
-    """The seed's two-linear model taking two inputs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(2, 2)
-        self.b = nn.Linear(2, 2)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.b(self.a(x + y))
 
 
 # -- the device rules, on device values ------------------------------------------------------

@@ -1,0 +1,381 @@
+"""Model state dicts: FULL, SHARDED (DTensor) and LOCAL, saved and loaded unit by unit.
+
+[Note: state dict keys]
+Keys are what the unwrapped model's ``state_dict()`` gives: the module tree is walked with
+FSDP wrappers made transparent, each module's parameters (managed ones from their unit's
+handle, ignored ones as they are), persistent buffers and extra state in ``nn.Module``'s
+order, a parameter shared by several modules under each of their names (the same tensor).
+Values of managed parameters are produced one unit at a time: the unit is all-gathered in
+full precision, its values copied out (to the CPU with ``offload_to_cpu``; kept only on rank
+0 with ``rank0_only``) and the unit resharded before the next, so no rank ever holds more than
+one unsharded unit beyond its shards.
+
+Loading goes through ``nn.Module.load_state_dict``: a pre-hook on each unit moves the keys
+under it into the wrapped module's namespace, consumes its managed parameters' values
+(copying this rank's piece of each full value into the shard: SHARDED values are gathered
+with ``full_tensor()``, which DCP may have filled at another world size) and leaves
+placeholders so ``nn.Module`` finds what it expects (buffers and ignored parameters load
+natively).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from ._process_groups import ShardingGroups
+from .api import FullStateDictConfig, StateDictConfig, StateDictType
+from .flat_param import FlatParameter, FlatParamHandle, HandleState
+
+if TYPE_CHECKING:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel
+
+__all__: list[str] = []
+
+FLAT_PARAM_KEY = "_flat_param"
+_WRAPPED_PREFIX = "_fsdp_wrapped_module."
+
+
+@dataclass
+class _Entry:
+    """One key of the state dict and where its value comes from."""
+
+    key: str
+    handle: FlatParamHandle | None = None
+    index: int = -1
+    """The parameter's index in ``handle`` (managed parameters)."""
+    value: Any = None
+    """The tensor (buffers, unmanaged parameters) or extra state object."""
+    orig_dtype: torch.dtype | None = None
+    """A buffer's own dtype where mixed precision may have cast it."""
+
+
+def _units(root: nn.Module) -> list[FullyShardedDataParallel]:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel
+
+    return FullyShardedDataParallel.fsdp_modules(root)
+
+
+def _check_idle(root: FullyShardedDataParallel, verb: str) -> None:
+    from ._runtime import TrainingState
+
+    for unit in _units(root):
+        if unit._runtime.training_state != TrainingState.IDLE:
+            raise RuntimeError(
+                f"{verb} must be called outside forward/backward and summon_full_params "
+                f"(FSDP unit '{unit._handle.label if unit._handle else type(unit.module).__name__}'"
+                " is in use)"
+            )
+
+
+def _plan(root: FullyShardedDataParallel, prefix: str) -> tuple[list[_Entry], dict[str, Any]]:
+    """The state dict's keys in ``nn.Module`` order, with their sources, and ``_metadata``."""
+    units = _units(root)
+    managed: dict[tuple[int, str], tuple[FlatParamHandle, int]] = {}
+    names_by_module: dict[int, list[str]] = {}
+    for unit in units:
+        handle = unit._handle
+        if handle is None:
+            continue
+        for index, owners in enumerate(handle.owners):
+            for module, name in owners:
+                managed[(id(module), name)] = (handle, index)
+                names_by_module.setdefault(id(module), []).append(name)
+    buffer_dtypes = {
+        (id(module), name): dtype for unit in units for module, name, dtype in unit._managed_buffers
+    }
+    unit_ids = {id(unit) for unit in units}
+    entries: list[_Entry] = []
+    metadata: dict[str, Any] = {}
+
+    def visit(module: nn.Module, path: str) -> None:
+        if id(module) in unit_ids:
+            visit(module._modules["_fsdp_wrapped_module"], path)  # type: ignore[arg-type]
+            return
+        metadata[path[:-1]] = {"version": getattr(module, "_version", None)}
+        for name, param in module._parameters.items():
+            if param is None or isinstance(param, FlatParameter):
+                continue
+            if (id(module), name) not in managed:  # ignored, or outside every unit
+                entries.append(_Entry(path + name, value=param))
+        for name in names_by_module.get(id(module), []):
+            handle, index = managed[(id(module), name)]
+            entries.append(_Entry(path + name, handle=handle, index=index))
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                dtype = buffer_dtypes.get((id(module), name))
+                entries.append(_Entry(path + name, value=buffer, orig_dtype=dtype))
+        if type(module).get_extra_state is not nn.Module.get_extra_state:
+            entries.append(_Entry(path + "_extra_state", value=module.get_extra_state()))
+        for child_name, child in module._modules.items():
+            if child is not None:
+                visit(child, path + child_name + ".")
+
+    visit(root, prefix)
+    return entries, metadata
+
+
+@contextlib.contextmanager
+def _gathered(handle: FlatParamHandle) -> Iterator[list[torch.Tensor]]:
+    """The unit's full parameters in full precision (collective), resharded afterwards."""
+    if handle.state != HandleState.SHARDED and not handle.unsharded_matches(True):
+        handle.reshard()
+    gathered = handle.state == HandleState.SHARDED
+    if gathered:
+        handle.unshard(full_precision=True)
+    handle.wait_unshard()
+    try:
+        yield handle.full_param_views()
+    finally:
+        if gathered:
+            handle.reshard()
+
+
+def _copied(tensor: torch.Tensor, offload_to_cpu: bool) -> torch.Tensor:
+    if offload_to_cpu:
+        return tensor.detach().to("cpu", copy=True)
+    return tensor.detach().clone()
+
+
+def _plain_value(entry: _Entry, config: StateDictConfig) -> Any:
+    value = entry.value
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.detach()
+    if entry.orig_dtype is not None and value.dtype != entry.orig_dtype:
+        value = value.to(entry.orig_dtype)  # a buffer cast by mixed precision
+    if config.offload_to_cpu:
+        value = value.to("cpu")
+    return value
+
+
+_MESHES: dict[tuple[int, int, str], DeviceMesh] = {}
+
+
+def _mesh(groups: ShardingGroups, device_type: str) -> DeviceMesh:
+    """The unit's ranks as a device mesh: 1-D over the shard group, or 2-D (replicate,
+    shard) for hybrid strategies; cached per group pair."""
+    key = (id(groups.shard), id(groups.replicate), device_type)
+    if key not in _MESHES:
+        if groups.replicate is None:
+            mesh = DeviceMesh.from_group(groups.shard, device_type)
+        else:
+            rows: list[Any] = [None] * dist.get_world_size(groups.replicate)
+            shard_ranks = dist.get_process_group_ranks(groups.shard)
+            dist.all_gather_object(rows, shard_ranks, group=groups.replicate)
+            mesh = DeviceMesh.from_group(
+                [groups.replicate, groups.shard],
+                device_type,
+                mesh=torch.tensor(rows),
+                mesh_dim_names=("replicate", "shard"),
+            )
+        _MESHES[key] = mesh
+    return _MESHES[key]
+
+
+def _placements(handle: FlatParamHandle, sharded: bool) -> list[Placement]:
+    inner: Placement = Shard(0) if sharded and handle.uses_sharded_strategy else Replicate()
+    return [Replicate(), inner] if handle.groups.replicate is not None else [inner]
+
+
+def _dim0_chunk(full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of ``full`` as DTensor's ``Shard(0)`` cuts them (``torch.chunk``
+    sizes: ceil(rows / size) each, the last ones shorter or empty)."""
+    rows = full.shape[0]
+    chunk = math.ceil(rows / size) if rows else 0
+    start = min(rank * chunk, rows)
+    return full[start : min(start + chunk, rows)]
+
+
+def _sharded_value(
+    full: torch.Tensor, handle: FlatParamHandle, device_type: str, offload_to_cpu: bool
+) -> DTensor:
+    sharded = full.dim() > 0 and handle.uses_sharded_strategy
+    local = full
+    if sharded:
+        local = _dim0_chunk(full, handle.groups.shard_rank, handle.groups.shard_size)
+    return DTensor.from_local(
+        _copied(local, offload_to_cpu),
+        _mesh(handle.groups, device_type),
+        _placements(handle, sharded),
+        run_check=False,
+        shape=full.shape,
+        stride=full.stride(),
+    )
+
+
+def unit_state_dict(
+    root: FullyShardedDataParallel, destination: Any, prefix: str, keep_vars: bool
+) -> Any:
+    """``root.state_dict()`` in its state dict type (see [Note: state dict keys])."""
+    _check_idle(root, "state_dict()")
+    state_dict_type = root._state_dict_type
+    config = root._state_dict_config
+    entries, metadata = _plan(root, prefix)
+    if destination is None:
+        destination = OrderedDict()
+        destination._metadata = OrderedDict()
+    if hasattr(destination, "_metadata"):
+        destination._metadata.update(metadata)
+    keep = not (
+        state_dict_type == StateDictType.FULL_STATE_DICT
+        and isinstance(config, FullStateDictConfig)
+        and config.rank0_only
+        and dist.get_rank() != 0
+    )
+    device_type = root.compute_device.type
+    values: dict[str, Any] = {}
+    if state_dict_type == StateDictType.LOCAL_STATE_DICT:
+        for path, unit in _unit_paths(root, prefix):
+            handle = unit._handle
+            if handle is not None:
+                values[path + FLAT_PARAM_KEY] = _local_value(handle, device_type, config)
+    else:
+        by_handle: dict[int, list[_Entry]] = {}
+        for entry in entries:
+            if entry.handle is not None:
+                by_handle.setdefault(id(entry.handle), []).append(entry)
+        for handle_entries in by_handle.values():
+            handle = handle_entries[0].handle
+            assert handle is not None
+            with _gathered(handle) as views:
+                made: dict[int, Any] = {}
+                for entry in handle_entries:
+                    if entry.index not in made:
+                        full = views[entry.index]
+                        if state_dict_type == StateDictType.SHARDED_STATE_DICT:
+                            made[entry.index] = _sharded_value(
+                                full, handle, device_type, config.offload_to_cpu
+                            )
+                        elif keep:
+                            made[entry.index] = _copied(full, config.offload_to_cpu)
+                    if entry.index in made:
+                        values[entry.key] = made[entry.index]
+    if not keep:
+        return destination
+    for entry in entries:
+        if entry.handle is None:
+            values[entry.key] = _plain_value(entry, config)
+        if entry.key in values:
+            destination[entry.key] = values.pop(entry.key)
+    destination.update(values)  # LOCAL: the flat shards
+    return destination
+
+
+def _unit_paths(
+    root: FullyShardedDataParallel, prefix: str
+) -> list[tuple[str, FullyShardedDataParallel]]:
+    """Each unit under ``root`` with its clean path (wrappers transparent)."""
+    unit_ids = {id(unit) for unit in _units(root)}
+    result: list[tuple[str, FullyShardedDataParallel]] = []
+    for name, module in root.named_modules(remove_duplicate=True):
+        if id(module) in unit_ids:
+            path = name.replace(_WRAPPED_PREFIX, "")
+            result.append((prefix + (path + "." if path else ""), module))
+    return result
+
+
+def _local_value(handle: FlatParamHandle, device_type: str, config: StateDictConfig) -> DTensor:
+    shard = handle.flat_param._local_shard.detach()
+    if config.offload_to_cpu:
+        shard = shard.to("cpu")
+    padded = handle.layout.padded_numel
+    return DTensor.from_local(
+        shard,
+        _mesh(handle.groups, device_type),
+        _placements(handle, sharded=True),
+        run_check=False,
+        shape=torch.Size([padded]),
+        stride=(1,),
+    )
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+
+def _as_full(value: Any, key: str) -> torch.Tensor:
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"state dict value for '{key}' is a {type(value).__name__}, not a tensor")
+    return value
+
+
+def load_pre_hook(
+    unit: FullyShardedDataParallel,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """Registered on every unit: see [Note: state dict keys]."""
+    wrapped = prefix + _WRAPPED_PREFIX
+    for key in list(state_dict):
+        if key.startswith(prefix) and not key.startswith(wrapped):
+            state_dict[wrapped + key[len(prefix) :]] = state_dict.pop(key)
+    handle = unit._handle
+    if handle is None:
+        return
+    _check_idle(unit, "load_state_dict()")
+    if handle.state != HandleState.SHARDED:
+        handle.reshard()
+    if unit._state_dict_type == StateDictType.LOCAL_STATE_DICT:
+        key = wrapped + FLAT_PARAM_KEY
+        value = state_dict.pop(key, None)
+        if value is None:
+            missing_keys.append(prefix + FLAT_PARAM_KEY)
+        else:
+            local = value.to_local() if isinstance(value, DTensor) else value
+            shard = handle.flat_param._local_shard
+            if local.numel() != shard.numel():
+                raise ValueError(
+                    f"cannot load '{prefix}{FLAT_PARAM_KEY}' into FSDP unit '{handle.label}': "
+                    f"the local shard has {local.numel()} elements but this rank's shard has "
+                    f"{shard.numel()}. A LOCAL_STATE_DICT loads only at the world size and "
+                    "wrapping it was saved with; use SHARDED_STATE_DICT to change them"
+                )
+            with torch.no_grad():
+                shard.copy_(local.reshape(shard.shape))
+    else:
+        paths = _module_paths(unit._fsdp_wrapped_module)
+        for index, owners in enumerate(handle.owners):
+            keys = [wrapped + path + name for module, name in owners for path in paths[id(module)]]
+            found = [key for key in keys if key in state_dict]
+            if not found:
+                missing_keys.append(prefix + keys[0][len(wrapped) :])
+                continue
+            value = state_dict[found[0]]
+            for key in found:
+                del state_dict[key]
+            handle.load_full_param(index, _as_full(value, found[0]))
+    # What nn.Module's own loading of the wrapped modules will look for: no-op copies.
+    if not unit._use_orig_params:
+        state_dict[wrapped + FLAT_PARAM_KEY] = handle.flat_param
+    else:
+        paths = _module_paths(unit._fsdp_wrapped_module)
+        for param, owners in zip(handle.orig_params, handle.owners):
+            for module, name in owners:
+                if module._parameters.get(name) is param:
+                    for path in paths[id(module)]:
+                        state_dict[wrapped + path + name] = param
+
+
+def _module_paths(module: nn.Module) -> dict[int, list[str]]:
+    """Every path (with a trailing dot, "" for ``module``) of each module under ``module``."""
+    paths: dict[int, list[str]] = {}
+    for name, submodule in module.named_modules(remove_duplicate=False):
+        paths.setdefault(id(submodule), []).append(name + "." if name else "")
+    return paths
