@@ -341,3 +341,18 @@ def test_full_state_dict_under_mixed_precision_has_original_dtypes() -> None:
     """Parameters and buffers come out in their own (fp32) dtypes even after a forward cast
     the buffers to buffer_dtype and gathered the parameters in param_dtype."""
     run_on_ranks(2, _mixed_precision_full_state_dict)
+
+
+def test_hybrid_round_trips_and_reshards_to_full_shard(tmp_path: Any) -> None:
+    """HYBRID_SHARD on 4 ranks (2 shard x 2 replicate, LOCAL_WORLD_SIZE=2): FULL, SHARDED
+    (DTensors on a 2-D replicate x shard mesh) and LOCAL round trips; a DCP save of the
+    SHARDED state dict loads into FULL_SHARD on 2 ranks."""
+    path = str(tmp_path / "ckpt")
+    env = {"LOCAL_WORLD_SIZE": "2"}
+    for state_dict_type in TYPES:
+        run_on_ranks(
+            4, _round_trip, state_dict_type, ShardingStrategy.HYBRID_SHARD, False, env=env,
+            timeout=240,
+        )  # fmt: skip
+    run_on_ranks(4, _save_sharded, path, ShardingStrategy.HYBRID_SHARD, True, env=env, timeout=240)
+    run_on_ranks(2, _load_sharded, path, ShardingStrategy.FULL_SHARD, True)
