@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from ._process_groups import ShardingGroups
+from ._traversal import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE
 from .api import FullStateDictConfig, StateDictConfig, StateDictType
 from .flat_param import FlatParameter, FlatParamHandle, HandleState
 
@@ -41,9 +42,6 @@ if TYPE_CHECKING:
     from .fully_sharded_data_parallel import FullyShardedDataParallel
 
 __all__: list[str] = []
-
-FLAT_PARAM_KEY = "_flat_param"
-_WRAPPED_PREFIX = "_fsdp_wrapped_module."
 
 
 @dataclass
@@ -66,10 +64,10 @@ def _units(root: nn.Module) -> list[FullyShardedDataParallel]:
     return FullyShardedDataParallel.fsdp_modules(root)
 
 
-def _check_idle(root: FullyShardedDataParallel, verb: str) -> None:
+def _check_idle(units: list[FullyShardedDataParallel], verb: str) -> None:
     from ._runtime import TrainingState
 
-    for unit in _units(root):
+    for unit in units:
         if unit._runtime.training_state != TrainingState.IDLE:
             raise RuntimeError(
                 f"{verb} must be called outside forward/backward and summon_full_params "
@@ -78,9 +76,11 @@ def _check_idle(root: FullyShardedDataParallel, verb: str) -> None:
             )
 
 
-def _plan(root: FullyShardedDataParallel, prefix: str) -> tuple[list[_Entry], dict[str, Any]]:
-    """The state dict's keys in ``nn.Module`` order, with their sources, and ``_metadata``."""
-    units = _units(root)
+def _plan(
+    root: FullyShardedDataParallel, units: list[FullyShardedDataParallel], prefix: str
+) -> tuple[list[_Entry], dict[str, Any], dict[str, FullyShardedDataParallel]]:
+    """The state dict's keys in ``nn.Module`` order with their sources, ``_metadata``, and
+    each unit under its clean path (the first, where a unit is reachable twice)."""
     managed: dict[tuple[int, str], tuple[FlatParamHandle, int]] = {}
     names_by_module: dict[int, list[str]] = {}
     for unit in units:
@@ -97,10 +97,13 @@ def _plan(root: FullyShardedDataParallel, prefix: str) -> tuple[list[_Entry], di
     unit_ids = {id(unit) for unit in units}
     entries: list[_Entry] = []
     metadata: dict[str, Any] = {}
+    unit_paths: dict[str, FullyShardedDataParallel] = {}
 
     def visit(module: nn.Module, path: str) -> None:
         if id(module) in unit_ids:
-            visit(module._modules["_fsdp_wrapped_module"], path)  # type: ignore[arg-type]
+            if all(unit is not module for unit in unit_paths.values()):
+                unit_paths[path] = module  # type: ignore[assignment]
+            visit(module._modules[FSDP_WRAPPED_MODULE], path)  # type: ignore[arg-type]
             return
         metadata[path[:-1]] = {"version": getattr(module, "_version", None)}
         for name, param in module._parameters.items():
@@ -122,7 +125,7 @@ def _plan(root: FullyShardedDataParallel, prefix: str) -> tuple[list[_Entry], di
                 visit(child, path + child_name + ".")
 
     visit(root, prefix)
-    return entries, metadata
+    return entries, metadata, unit_paths
 
 
 @contextlib.contextmanager
@@ -218,10 +221,11 @@ def unit_state_dict(
     root: FullyShardedDataParallel, destination: Any, prefix: str, keep_vars: bool
 ) -> Any:
     """``root.state_dict()`` in its state dict type (see [Note: state dict keys])."""
-    _check_idle(root, "state_dict()")
+    units = _units(root)
+    _check_idle(units, "state_dict()")
     state_dict_type = root._state_dict_type
     config = root._state_dict_config
-    entries, metadata = _plan(root, prefix)
+    entries, metadata, unit_paths = _plan(root, units, prefix)
     if destination is None:
         destination = OrderedDict()
         destination._metadata = OrderedDict()
@@ -236,10 +240,10 @@ def unit_state_dict(
     device_type = root.compute_device.type
     values: dict[str, Any] = {}
     if state_dict_type == StateDictType.LOCAL_STATE_DICT:
-        for path, unit in _unit_paths(root, prefix):
+        for path, unit in unit_paths.items():
             handle = unit._handle
             if handle is not None:
-                values[path + FLAT_PARAM_KEY] = _local_value(handle, device_type, config)
+                values[path + FLAT_PARAM] = _local_value(handle, device_type, config)
     else:
         by_handle: dict[int, list[_Entry]] = {}
         for entry in entries:
@@ -270,19 +274,6 @@ def unit_state_dict(
             destination[entry.key] = values.pop(entry.key)
     destination.update(values)  # LOCAL: the flat shards
     return destination
-
-
-def _unit_paths(
-    root: FullyShardedDataParallel, prefix: str
-) -> list[tuple[str, FullyShardedDataParallel]]:
-    """Each unit under ``root`` with its clean path (wrappers transparent)."""
-    unit_ids = {id(unit) for unit in _units(root)}
-    result: list[tuple[str, FullyShardedDataParallel]] = []
-    for name, module in root.named_modules(remove_duplicate=True):
-        if id(module) in unit_ids:
-            path = name.replace(_WRAPPED_PREFIX, "")
-            result.append((prefix + (path + "." if path else ""), module))
-    return result
 
 
 def _local_value(handle: FlatParamHandle, device_type: str, config: StateDictConfig) -> DTensor:
@@ -322,27 +313,28 @@ def load_pre_hook(
     error_msgs: list[str],
 ) -> None:
     """Registered on every unit: see [Note: state dict keys]."""
-    wrapped = prefix + _WRAPPED_PREFIX
+    wrapped = prefix + FSDP_PREFIX
     for key in list(state_dict):
         if key.startswith(prefix) and not key.startswith(wrapped):
             state_dict[wrapped + key[len(prefix) :]] = state_dict.pop(key)
     handle = unit._handle
     if handle is None:
         return
-    _check_idle(unit, "load_state_dict()")
+    _check_idle([unit], "load_state_dict()")  # each unit's hook checks its own
     if handle.state != HandleState.SHARDED:
         handle.reshard()
+    paths = _module_paths(unit._fsdp_wrapped_module)
     if unit._state_dict_type == StateDictType.LOCAL_STATE_DICT:
-        key = wrapped + FLAT_PARAM_KEY
+        key = wrapped + FLAT_PARAM
         value = state_dict.pop(key, None)
         if value is None:
-            missing_keys.append(prefix + FLAT_PARAM_KEY)
+            missing_keys.append(prefix + FLAT_PARAM)
         else:
             local = value.to_local() if isinstance(value, DTensor) else value
             shard = handle.flat_param._local_shard
             if local.numel() != shard.numel():
                 raise ValueError(
-                    f"cannot load '{prefix}{FLAT_PARAM_KEY}' into FSDP unit '{handle.label}': "
+                    f"cannot load '{prefix}{FLAT_PARAM}' into FSDP unit '{handle.label}': "
                     f"the local shard has {local.numel()} elements but this rank's shard has "
                     f"{shard.numel()}. A LOCAL_STATE_DICT loads only at the world size and "
                     "wrapping it was saved with; use SHARDED_STATE_DICT to change them"
@@ -350,7 +342,6 @@ def load_pre_hook(
             with torch.no_grad():
                 shard.copy_(local.reshape(shard.shape))
     else:
-        paths = _module_paths(unit._fsdp_wrapped_module)
         for index, owners in enumerate(handle.owners):
             keys = [wrapped + path + name for module, name in owners for path in paths[id(module)]]
             found = [key for key in keys if key in state_dict]
@@ -363,9 +354,8 @@ def load_pre_hook(
             handle.load_full_param(index, _as_full(value, found[0]))
     # What nn.Module's own loading of the wrapped modules will look for: no-op copies.
     if not unit._use_orig_params:
-        state_dict[wrapped + FLAT_PARAM_KEY] = handle.flat_param
+        state_dict[wrapped + FLAT_PARAM] = handle.flat_param
     else:
-        paths = _module_paths(unit._fsdp_wrapped_module)
         for param, owners in zip(handle.orig_params, handle.owners):
             for module, name in owners:
                 if module._parameters.get(name) is param:

@@ -1,4 +1,4 @@
-"""Walking a model's FSDP units and their handles."""
+"""Walking a model's FSDP units and their handles, and the names wrapping gives them."""
 
 from __future__ import annotations
 
@@ -7,6 +7,15 @@ from torch import nn
 from .flat_param import FlatParamHandle
 
 __all__: list[str] = []
+
+FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
+FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
+FLAT_PARAM = "_flat_param"
+
+
+def clean_fqn(name: str) -> str:
+    """A name without the wrapper prefixes: what the unwrapped model calls it."""
+    return name.replace(FSDP_PREFIX, "")
 
 
 def _get_fsdp_handles(module: nn.Module) -> list[FlatParamHandle]:

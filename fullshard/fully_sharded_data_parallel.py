@@ -20,6 +20,7 @@ from torch import nn
 from . import _init_utils, _state_dict
 from ._process_groups import ShardingGroups, effective_strategy, resolve_groups
 from ._runtime import RootState, TrainingState, UnitRuntime, iter_tensors, map_tensors
+from ._traversal import FLAT_PARAM, FSDP_WRAPPED_MODULE, clean_fqn
 from .api import (
     BackwardPrefetch,
     CPUOffload,
@@ -40,18 +41,10 @@ from .flat_param import FlatParameter, FlatParamHandle, HandleState
 
 __all__ = ["FSDP_WRAPPED_MODULE", "HOMOGENEOUS_ATTR_NAMES", "FullyShardedDataParallel"]
 
-FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
-FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
-FLAT_PARAM = "_flat_param"
 HOMOGENEOUS_ATTR_NAMES = ["_use_orig_params", "limit_all_gathers", "_use_full_prec_in_eval"]
 """Attributes every unit under one root must agree on."""
 
 _USE_FULL_PREC_IN_EVAL = "FSDP_USE_FULL_PREC_IN_EVAL"
-
-
-def clean_fqn(name: str) -> str:
-    """A name without the wrapper prefixes: what the unwrapped model calls it."""
-    return name.replace(FSDP_PREFIX, "")
 
 
 @dataclass(frozen=True)
