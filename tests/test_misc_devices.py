@@ -139,49 +139,66 @@ def test_device_id_values_without_cuda() -> None:
 # -- the same constructions with device_id=cpu, on 2 gloo ranks ----------------------------
 
 
-def _device_id_auto_wrap_cpu(use_callable: bool) -> None:
+def _device_id_auto_wrap(use_callable: bool, device_id: Any) -> None:
+    """test_device_id_auto_wrap: every auto-wrapped unit gets device_id's compute device."""
     classes = {nn.TransformerEncoderLayer, nn.TransformerDecoderLayer}
     policy: Any = (
         functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes)
         if use_callable
         else ModuleWrapPolicy(classes)
     )
-    model = FSDP(TransformerWithSharedParams(), auto_wrap_policy=policy, device_id=CPU)
+    expected = torch.device("cuda", device_id) if isinstance(device_id, int) else device_id
+    model = TransformerWithSharedParams()
+    if expected.type == "cuda":
+        model = model.cuda()  # the seed's CUDA_BEFORE
+    model = FSDP(model, auto_wrap_policy=policy, device_id=device_id)
     units = FSDP.fsdp_modules(model)
     assert len(units) == 5  # the root, 2 encoder and 2 decoder layers
     for unit in units:
-        assert unit.compute_device == CPU
+        assert unit.compute_device == expected
 
 
-def _device_id_cpu_offload(use_orig_params: bool) -> None:
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.seq = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))
-            self.lin = nn.Linear(10, 10)
+class _SeqThenLinear(nn.Module):
+    """The seed's model for test_fsdp_device_id_cpu_offload: wrapping each nn.Sequential
+    gives a nested unit and a parent unit that manages parameters too."""
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.lin(self.seq(x))
+    def __init__(self) -> None:
+        super().__init__()
+        self.seq = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))
+        self.lin = nn.Linear(10, 10)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.seq(x))
+
+
+def _device_id_cpu_offload(use_orig_params: bool, device_id: Any, train: bool) -> None:
+    """test_fsdp_device_id_cpu_offload: offloaded flat parameters are on the CPU (and, when
+    ``train``, so are their gradients after a backward)."""
     fsdp_model = FSDP(
-        Model(),
+        _SeqThenLinear(),
         auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}),
         cpu_offload=CPUOffload(offload_params=True),
-        device_id=CPU,
+        device_id=device_id,
         use_orig_params=use_orig_params,
     )
     handles = _get_fsdp_handles(fsdp_model)
     assert len(handles) == 2
     for handle in handles:
         assert handle.flat_param.device == CPU
-    fsdp_model(torch.randn(3, 10)).sum().backward()
-    for handle in handles:
-        assert handle.flat_param.grad is not None and handle.flat_param.grad.device == CPU
+    if train:
+        fsdp_model(torch.randn(3, 10)).sum().backward()
+        for handle in handles:
+            assert handle.flat_param.grad is not None and handle.flat_param.grad.device == CPU
 
 
 def _device_id_constructions_cpu() -> tuple[int, int]:
-    auto_wrap = run_subtests({"use_callable": [False, True]}, _device_id_auto_wrap_cpu)
-    offload = run_subtests({"use_orig_params": [False, True]}, _device_id_cpu_offload)
+    auto_wrap = run_subtests(
+        {"use_callable": [False, True], "device_id": [CPU]}, _device_id_auto_wrap
+    )
+    offload = run_subtests(
+        {"use_orig_params": [False, True], "device_id": [CPU], "train": [True]},
+        _device_id_cpu_offload,
+    )
     return auto_wrap, offload
 
 
@@ -455,44 +472,15 @@ def test_cpu_init_with_sync_module_states() -> None:
     run_on_ranks(2, _cpu_init_with_sync_module_states)
 
 
-def _device_id_auto_wrap_cuda(use_callable: bool) -> None:
-    classes = {nn.TransformerEncoderLayer, nn.TransformerDecoderLayer}
-    policy: Any = (
-        functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes)
-        if use_callable
-        else ModuleWrapPolicy(classes)
-    )
-    current = torch.cuda.current_device()
-    model = FSDP(TransformerWithSharedParams().cuda(), auto_wrap_policy=policy, device_id=current)
-    for unit in FSDP.fsdp_modules(model):
-        assert unit.compute_device == torch.device("cuda", current)
-
-
-def _device_id_cpu_offload_cuda(use_orig_params: bool) -> None:
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.seq = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))
-            self.lin = nn.Linear(10, 10)
-
-    model = FSDP(
-        Model(),
-        auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}),
-        cpu_offload=CPUOffload(offload_params=True),
-        device_id=torch.cuda.current_device(),
-        use_orig_params=use_orig_params,
-    )
-    for handle in _get_fsdp_handles(model):
-        assert handle.flat_param.device == CPU
-
-
 def _multi_thread_cuda_tests() -> None:
     """The seed's TestFSDPMiscMultiThread methods that need 2 GPUs."""
     with _on_gpu_of_rank():
         rank = dist.get_rank()
         current = torch.cuda.current_device()
-        assert run_subtests({"use_callable": [False, True]}, _device_id_auto_wrap_cuda) == 2
-        assert run_subtests({"use_orig_params": [False, True]}, _device_id_cpu_offload_cuda) == 2
+        auto_wrap = {"use_callable": [False, True], "device_id": [current]}
+        assert run_subtests(auto_wrap, _device_id_auto_wrap) == 2
+        offload = {"use_orig_params": [False, True], "device_id": [current], "train": [False]}
+        assert run_subtests(offload, _device_id_cpu_offload) == 2
 
         # test_module_device_mismatches_device_id: a module on cuda:1 given device_id=0.
         mismatch = (
