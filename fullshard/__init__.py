@@ -25,7 +25,7 @@ from .api import (
     StateDictType,
 )
 from .flat_param import FlatParameter
-from .fully_sharded_data_parallel import FullyShardedDataParallel
+from .fully_sharded_data_parallel import FullyShardedDataParallel, OptimStateKeyType
 from .sharded_grad_scaler import ShardedGradScaler
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "LocalStateDictConfig",
     "MixedPrecision",
     "OptimStateDictConfig",
+    "OptimStateKeyType",
     "ShardedGradScaler",
     "ShardedOptimStateDictConfig",
     "ShardedStateDictConfig",

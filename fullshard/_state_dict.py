@@ -77,7 +77,7 @@ def _check_idle(units: list[FullyShardedDataParallel], verb: str) -> None:
 
 
 def _plan(
-    root: FullyShardedDataParallel, units: list[FullyShardedDataParallel], prefix: str
+    root: nn.Module, units: list[FullyShardedDataParallel], prefix: str
 ) -> tuple[list[_Entry], dict[str, Any], dict[str, FullyShardedDataParallel]]:
     """The state dict's keys in ``nn.Module`` order with their sources, ``_metadata``, and
     each unit under its clean path (the first, where a unit is reachable twice)."""

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _init_utils, _state_dict
+from . import _init_utils, _optim_state_dict, _state_dict
+from ._optim_state_dict import OptimStateKeyType
 from ._process_groups import ShardingGroups, effective_strategy, resolve_groups
 from ._runtime import RootState, TrainingState, UnitRuntime, iter_tensors, map_tensors
 from ._traversal import FLAT_PARAM, FSDP_WRAPPED_MODULE, clean_fqn
@@ -39,7 +40,12 @@ from .api import (
 )
 from .flat_param import FlatParameter, FlatParamHandle, HandleState
 
-__all__ = ["FSDP_WRAPPED_MODULE", "HOMOGENEOUS_ATTR_NAMES", "FullyShardedDataParallel"]
+__all__ = [
+    "FSDP_WRAPPED_MODULE",
+    "HOMOGENEOUS_ATTR_NAMES",
+    "FullyShardedDataParallel",
+    "OptimStateKeyType",
+]
 
 HOMOGENEOUS_ATTR_NAMES = ["_use_orig_params", "limit_all_gathers", "_use_full_prec_in_eval"]
 """Attributes every unit under one root must agree on."""
@@ -645,6 +651,142 @@ class FullyShardedDataParallel(nn.Module):
                 previous.state_dict_config,
                 previous.optim_state_dict_config,
             )
+
+    # -- optimizer state dicts (see [Note: optimizer state keys]) --------------------------------
+
+    @staticmethod
+    def optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict[str, Any] | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> dict[str, Any]:
+        """``optim``'s state in ``model``'s state dict type: FULL (per original parameter,
+        keyed by FQN, full tensors; ``rank0_only`` and ``offload_to_cpu`` from the optimizer
+        config), SHARDED (the same keys, parameter-shaped states as dim-0 DTensors, for DCP)
+        or LOCAL (``optim.state_dict()`` as is). ``optim_state_dict`` stands in for
+        ``optim.state_dict()`` when given. Collective: call it on every rank."""
+        settings = FullyShardedDataParallel.get_state_dict_type(model)
+        if settings.state_dict_type == StateDictType.LOCAL_STATE_DICT:
+            return optim_state_dict if optim_state_dict is not None else optim.state_dict()
+        config = settings.optim_state_dict_config
+        return _optim_state_dict.produce(
+            model,
+            optim,
+            optim_state_dict,
+            full=settings.state_dict_type == StateDictType.FULL_STATE_DICT,
+            rank0_only=getattr(config, "rank0_only", False),
+            offload_to_cpu=config.offload_to_cpu,
+            group=group,
+        )
+
+    @staticmethod
+    def optim_state_dict_to_load(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict[str, Any],
+        is_named_optimizer: bool = False,
+        load_directly: bool = False,
+        group: dist.ProcessGroup | None = None,
+    ) -> dict[str, Any]:
+        """What ``optim.load_state_dict`` takes, from a dict ``optim_state_dict`` gave (in
+        ``model``'s state dict type; with FULL ``rank0_only`` only rank 0 needs to pass it).
+        ``load_directly`` also loads it. Collective: call it on every rank."""
+        if is_named_optimizer:
+            raise NotImplementedError(
+                "optim_state_dict_to_load(is_named_optimizer=True): fullshard supports "
+                "torch.optim optimizers only"
+            )
+        settings = FullyShardedDataParallel.get_state_dict_type(model)
+        if settings.state_dict_type == StateDictType.LOCAL_STATE_DICT:
+            result = optim_state_dict
+        else:
+            result = _optim_state_dict.load(
+                model,
+                [list(g["params"]) for g in optim.param_groups],
+                optim_state_dict,
+                rank0_only=getattr(settings.optim_state_dict_config, "rank0_only", False)
+                and settings.state_dict_type == StateDictType.FULL_STATE_DICT,
+                group=group,
+            )
+        if load_directly:
+            optim.load_state_dict(result)
+        return result
+
+    @staticmethod
+    def full_optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_input: Any = None,
+        rank0_only: bool = True,
+        group: dist.ProcessGroup | None = None,
+    ) -> dict[str, Any]:
+        """The full optimizer state dict (FQN-keyed, on the CPU), on rank 0 only unless
+        ``rank0_only=False`` (the other ranks get ``{}``). Collective."""
+        del optim_input  # the optimizer's own param groups say which parameter is which
+        return _optim_state_dict.produce(
+            model, optim, None, full=True, rank0_only=rank0_only, offload_to_cpu=True, group=group
+        )
+
+    @staticmethod
+    def sharded_optim_state_dict(
+        model: nn.Module, optim: torch.optim.Optimizer, group: dist.ProcessGroup | None = None
+    ) -> dict[str, Any]:
+        """The FQN-keyed optimizer state dict with parameter-shaped states as dim-0 DTensors
+        (for DCP; load with ``flatten_sharded_optim_state_dict``). Collective."""
+        return _optim_state_dict.produce(
+            model, optim, None, full=False, rank0_only=False, offload_to_cpu=True, group=group
+        )
+
+    @staticmethod
+    def shard_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any],
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
+        """This rank's loadable part of a full optimizer state dict every rank holds. The
+        optimizer's parameters come from ``optim``, else ``optim_input``, else
+        ``model.parameters()``."""
+        groups = _optim_state_dict._param_groups(model, optim, optim_input)
+        return _optim_state_dict.load(model, groups, full_optim_state_dict, rank0_only=False)
+
+    @staticmethod
+    def flatten_sharded_optim_state_dict(
+        sharded_optim_state_dict: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        """This rank's loadable part of a ``sharded_optim_state_dict`` (collective)."""
+        groups = _optim_state_dict._param_groups(model, optim, None)
+        return _optim_state_dict.load(model, groups, sharded_optim_state_dict, rank0_only=False)
+
+    @staticmethod
+    def scatter_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any] | None,
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+        group: Any | None = None,
+    ) -> dict[str, Any]:
+        """Like ``shard_full_optim_state_dict``, with the full dict on rank 0 only (the others
+        pass None): rank 0 broadcasts it one tensor at a time. Collective."""
+        groups = _optim_state_dict._param_groups(model, optim, optim_input)
+        return _optim_state_dict.load(
+            model, groups, full_optim_state_dict, rank0_only=True, group=group
+        )
+
+    @staticmethod
+    def rekey_optim_state_dict(
+        optim_state_dict: dict[str, Any],
+        optim_state_key_type: OptimStateKeyType,
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
+        """``optim_state_dict`` keyed by parameter name (what FSDP's full dicts use) or by id
+        (what an optimizer over an unwrapped model loads). Ids follow ``optim``'s param
+        groups, else ``optim_input``, else ``model.parameters()``."""
+        groups = _optim_state_dict._param_groups(model, optim, optim_input)
+        return _optim_state_dict.rekey(optim_state_dict, optim_state_key_type, model, groups)
 
     # -- public static methods ----------------------------------------------------------------
 

@@ -1,0 +1,396 @@
+"""Optimizer state dicts (issue 5), on gloo CPU ranks.
+
+- Round trips: FULL and SHARDED x strategy x use_orig_params x Adam / AdamW / SGD with
+  momentum, with two param groups and a third whose parameters never got a gradient (no
+  state): save, replace the optimizer and zero the model, load, and the optimizer's own state
+  dict is back exactly; the next step equals the uninterrupted one.
+- FULL equals what DDP's optimizer holds for the unwrapped model, keyed by FQN; it loads
+  into a plain model's optimizer (``rekey_optim_state_dict``) and into torch's FSDP, and
+  torch FSDP's loads into fullshard.
+- The legacy functions (full / sharded / shard / scatter / flatten / rekey) and errors.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from fullshard import (
+    FlatParameter,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    OptimStateKeyType,
+    ShardingStrategy,
+    StateDictType,
+)
+from fullshard import FullyShardedDataParallel as FSDP
+from fullshard.wrap import ModuleWrapPolicy
+from harness import run_on_ranks
+from models import TransformerWithSharedParams, transformer_layer_classes
+
+STRATEGIES = [
+    ShardingStrategy.FULL_SHARD,
+    ShardingStrategy.SHARD_GRAD_OP,
+    ShardingStrategy.NO_SHARD,
+]
+OPTIMIZERS = ["adam", "adamw", "sgd"]
+
+
+def _wrap(strategy: ShardingStrategy, use_orig_params: bool, seed: int = 0) -> FSDP:
+    return FSDP(
+        TransformerWithSharedParams(seed=seed),
+        sharding_strategy=strategy,
+        use_orig_params=use_orig_params,
+        auto_wrap_policy=ModuleWrapPolicy(transformer_layer_classes()),
+    )
+
+
+def _optimizer(
+    name: str, params: list[nn.Parameter], no_state_group: bool = True
+) -> torch.optim.Optimizer:
+    """Two param groups with different hyperparameters and, with ``no_state_group``, a third
+    (the last parameter) that ``_step`` never gives a gradient, so it has no state."""
+    last = -1 if no_state_group else len(params)
+    groups: list[dict[str, Any]] = [
+        {"params": params[0:last:2]},
+        {"params": params[1:last:2], "lr": 0.003},
+    ]
+    if no_state_group:
+        groups.append({"params": params[-1:]})
+    if name == "adam":
+        return torch.optim.Adam(groups, lr=0.01)
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=0.01, weight_decay=0.1)
+    return torch.optim.SGD(groups, lr=0.01, momentum=0.9)
+
+
+def _step(model: nn.Module, optim: torch.optim.Optimizer, rank: int, step: int) -> float:
+    inner = model.module if isinstance(model, (FSDP, DDP)) else model
+    src, tgt = inner.get_input("cpu", rank=rank, step=step)
+    loss = model(src, tgt).sum()
+    loss.backward()
+    for group in optim.param_groups[2:]:
+        for param in group["params"]:
+            param.grad = None  # this group never steps: its parameters have no state
+    optim.step()
+    optim.zero_grad()
+    return loss.item()
+
+
+def _local_state(optim: torch.optim.Optimizer) -> dict[str, Any]:
+    return copy.deepcopy(optim.state_dict())
+
+
+def _assert_same_local_state(actual: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert actual["param_groups"] == expected["param_groups"]
+    assert actual["state"].keys() == expected["state"].keys()
+    for param_id, state in expected["state"].items():
+        assert actual["state"][param_id].keys() == state.keys(), param_id
+        for key, value in state.items():
+            got = actual["state"][param_id][key]
+            torch.testing.assert_close(got, value, rtol=0, atol=0, msg=f"{param_id}.{key}")
+
+
+def _round_trip(
+    state_dict_type: StateDictType, strategy: ShardingStrategy, use_orig_params: bool, name: str
+) -> None:
+    rank = dist.get_rank()
+    model = _wrap(strategy, use_orig_params)
+    optim = _optimizer(name, list(model.parameters()))
+    for step in range(2):
+        _step(model, optim, rank, step)
+    expected = _local_state(optim)
+    with FSDP.state_dict_type(model, state_dict_type):
+        model_state = model.state_dict()
+        osd = FSDP.optim_state_dict(model, optim)
+    if state_dict_type == StateDictType.SHARDED_STATE_DICT:
+        tensors = [v for s in osd["state"].values() for v in s.values() if torch.is_tensor(v)]
+        assert any(isinstance(v, DTensor) for v in tensors)
+    # Keyed by FQN, no wrapper prefixes; the never-stepped parameter has no state.
+    assert all(isinstance(k, str) and "_fsdp_wrapped_module" not in k for k in osd["state"])
+    assert len(osd["param_groups"]) == 3
+    assert not set(osd["param_groups"][2]["params"]) & set(osd["state"])
+    # A fresh optimizer (no state), a zeroed model, then load both.
+    with FSDP.summon_full_params(model), torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
+    optim = _optimizer(name, list(model.parameters()))
+    with FSDP.state_dict_type(model, state_dict_type):
+        model.load_state_dict(model_state)
+        optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, osd))
+    _assert_same_local_state(_local_state(optim), expected)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "state_dict_type",
+    [StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT],
+    ids=lambda t: t.name,
+)
+def test_optim_round_trip(
+    state_dict_type: StateDictType, strategy: ShardingStrategy, use_orig_params: bool, name: str
+) -> None:
+    """save -> fresh optimizer, zeroed model -> load: the optimizer's state is back exactly."""
+    run_on_ranks(2, _round_trip, state_dict_type, strategy, use_orig_params, name)
+
+
+def _hybrid_round_trip(state_dict_type: StateDictType) -> None:
+    _round_trip(state_dict_type, ShardingStrategy.HYBRID_SHARD, True, "adam")
+
+
+@pytest.mark.parametrize(
+    "state_dict_type",
+    [StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT],
+    ids=lambda t: t.name,
+)
+def test_optim_round_trip_hybrid(state_dict_type: StateDictType) -> None:
+    """HYBRID_SHARD on 4 ranks (2 shard x 2 replicate): round trip of Adam's state."""
+    run_on_ranks(4, _hybrid_round_trip, state_dict_type)
+
+
+def _full_matches_ddp(use_orig_params: bool, name: str) -> None:
+    rank = dist.get_rank()
+    model = _wrap(ShardingStrategy.FULL_SHARD, use_orig_params)
+    plain = TransformerWithSharedParams(seed=0)
+    ddp = DDP(copy.deepcopy(plain))
+    optim = _by_name_optimizer(name, model)
+    ddp_optim = _by_name_optimizer(name, ddp, single_group=not use_orig_params)
+    for step in range(3):
+        _step(model, optim, rank, step)
+        _step(ddp, ddp_optim, rank, step)
+    osd = FSDP.optim_state_dict(model, optim)  # FULL by default
+    expected = FSDP.rekey_optim_state_dict(
+        ddp_optim.state_dict(), OptimStateKeyType.PARAM_NAME, ddp.module, optim=ddp_optim
+    )
+    assert sorted(osd["state"]) == sorted(expected["state"])
+    for fqn, state in expected["state"].items():
+        assert list(osd["state"][fqn]) == list(state), fqn
+        for key, value in state.items():
+            torch.testing.assert_close(osd["state"][fqn][key], value, msg=f"{fqn}.{key}")
+    for ours, theirs in zip(osd["param_groups"], expected["param_groups"], strict=True):
+        assert sorted(ours["params"]) == sorted(theirs["params"])
+        assert {**ours, "params": None} == {**theirs, "params": None}
+    # The full dict loads into a plain model's optimizer through rekeying to ids.
+    plain_optim = _by_name_optimizer(name, plain, single_group=not use_orig_params)
+    plain_optim.load_state_dict(
+        FSDP.rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_ID, plain, optim=plain_optim)
+    )
+    _assert_close_local_state(plain_optim.state_dict(), ddp_optim.state_dict())
+
+
+def _by_name_optimizer(
+    name: str, model: nn.Module, single_group: bool = False
+) -> torch.optim.Optimizer:
+    """Biases in a second group (by name, so the same parameters in every engine); one group
+    where the optimizer sees flat parameters."""
+    named = list(model.named_parameters())
+    groups: list[dict[str, Any]] = [
+        {"params": [p for n, p in named if not n.endswith("bias")]},
+        {"params": [p for n, p in named if n.endswith("bias")], "lr": 0.003},
+    ]
+    if single_group or any(isinstance(p, FlatParameter) for _, p in named):
+        groups = [{"params": [p for _, p in named]}]
+    if name == "adam":
+        return torch.optim.Adam(groups, lr=0.01)
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=0.01, weight_decay=0.1)
+    return torch.optim.SGD(groups, lr=0.01, momentum=0.9)
+
+
+def _assert_close_local_state(actual: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert actual["state"].keys() == expected["state"].keys()
+    for param_id, state in expected["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(actual["state"][param_id][key], value)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_full_optim_state_dict_matches_ddp(use_orig_params: bool, name: str) -> None:
+    """FULL: per original parameter what DDP's optimizer holds (same FQNs, keys, values),
+    and it loads into a plain model's optimizer after rekey_optim_state_dict."""
+    run_on_ranks(2, _full_matches_ddp, use_orig_params, name)
+
+
+def _torch_fsdp_interop(use_orig_params: bool, theirs_orig: bool) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import StateDictType as TorchStateDictType
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
+
+    rank = dist.get_rank()
+    ours = _wrap(ShardingStrategy.FULL_SHARD, use_orig_params, seed=5)
+    optim = _by_name_optimizer("adam", ours, single_group=True)
+    for step in range(2):
+        _step(ours, optim, rank, step)
+    our_model_state = ours.state_dict()  # FULL by default
+    our_osd = FSDP.optim_state_dict(ours, optim)
+    theirs = TorchFSDP(
+        TransformerWithSharedParams(seed=6),
+        auto_wrap_policy=TorchModuleWrapPolicy(transformer_layer_classes()),
+        use_orig_params=theirs_orig,
+        device_id=torch.device("cpu"),
+    )
+    their_optim = _by_name_optimizer("adam", theirs, single_group=True)
+    with TorchFSDP.state_dict_type(theirs, TorchStateDictType.FULL_STATE_DICT):
+        if not theirs_orig:  # fullshard -> torch FSDP, which gives it back unchanged
+            theirs.load_state_dict(our_model_state)
+            loadable = TorchFSDP.optim_state_dict_to_load(theirs, their_optim, our_osd)
+            their_optim.load_state_dict(loadable)
+        else:
+            # torch 2.13's FSDP with use_orig_params=True loads dicts that are not its own
+            # with each exp_avg replaced by exp_avg_sq (see the README's Checkpoints notes),
+            # so here it trains and saves its own.
+            for step in range(2):
+                _step(theirs, their_optim, rank, step)
+        their_model_state = theirs.state_dict()
+        their_osd = TorchFSDP.optim_state_dict(theirs, their_optim)
+    if not theirs_orig:
+        _assert_same_named(their_osd, our_osd)
+    fresh = _wrap(ShardingStrategy.FULL_SHARD, use_orig_params, seed=7)  # torch FSDP -> ours
+    fresh_optim = _by_name_optimizer("adam", fresh, single_group=True)
+    fresh.load_state_dict(their_model_state)
+    fresh_optim.load_state_dict(FSDP.optim_state_dict_to_load(fresh, fresh_optim, their_osd))
+    _assert_same_named(FSDP.optim_state_dict(fresh, fresh_optim), their_osd)
+    if theirs_orig:
+        return
+    _assert_same_local_state(fresh_optim.state_dict(), optim.state_dict())
+    _step(ours, optim, rank, 5)  # both continue identically
+    _step(fresh, fresh_optim, rank, 5)
+    with FSDP.summon_full_params(ours), FSDP.summon_full_params(fresh):
+        for (name, a), b in zip(ours.named_parameters(), fresh.parameters()):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def _assert_same_named(actual: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert sorted(actual["state"]) == sorted(expected["state"])
+    for fqn, state in expected["state"].items():
+        assert sorted(actual["state"][fqn]) == sorted(state), fqn
+        for key, value in state.items():
+            torch.testing.assert_close(
+                actual["state"][fqn][key], value, rtol=0, atol=0, msg=f"{fqn}.{key}"
+            )
+
+
+@pytest.mark.parametrize("theirs_orig", [False, True], ids=["torch-flat", "torch-orig"])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_full_optim_state_dict_interoperates_with_torch_fsdp(
+    use_orig_params: bool, theirs_orig: bool
+) -> None:
+    """fullshard's FULL model and optimizer state dicts load into torch's FSDP (which gives
+    them back unchanged), and torch FSDP's load into fullshard (same state, same next step)."""
+    run_on_ranks(2, _torch_fsdp_interop, use_orig_params, theirs_orig)
+
+
+def _legacy_functions(use_orig_params: bool) -> None:
+    rank = dist.get_rank()
+    model = _wrap(ShardingStrategy.FULL_SHARD, use_orig_params)
+    optim = _optimizer("adam", list(model.parameters()))
+    for step in range(2):
+        _step(model, optim, rank, step)
+    expected = _local_state(optim)
+    full = FSDP.full_optim_state_dict(model, optim)  # rank0_only by default
+    assert (full == {}) == (rank != 0)
+    everywhere = FSDP.full_optim_state_dict(model, optim, rank0_only=False)
+    assert all(v.device.type == "cpu" for s in everywhere["state"].values() for v in s.values())
+    _assert_same_local_state(
+        FSDP.shard_full_optim_state_dict(everywhere, model, optim=optim), expected
+    )
+    scattered = FSDP.scatter_full_optim_state_dict(full if rank == 0 else None, model, optim=optim)
+    _assert_same_local_state(scattered, expected)
+    sharded = FSDP.sharded_optim_state_dict(model, optim)
+    _assert_same_local_state(FSDP.flatten_sharded_optim_state_dict(sharded, model, optim), expected)
+    # FULL with rank0_only through optim_state_dict / optim_state_dict_to_load.
+    with FSDP.state_dict_type(
+        model,
+        StateDictType.FULL_STATE_DICT,
+        FullStateDictConfig(rank0_only=True),
+        FullOptimStateDictConfig(rank0_only=True),
+    ):
+        osd = FSDP.optim_state_dict(model, optim)
+        assert (osd == {}) == (rank != 0)
+        fresh = _optimizer("adam", list(model.parameters()))
+        FSDP.optim_state_dict_to_load(model, fresh, osd, load_directly=True)
+    _assert_same_local_state(_local_state(fresh), expected)
+    # LOCAL: the optimizer's own state dict, unchanged.
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        local = FSDP.optim_state_dict(model, optim)
+        assert FSDP.optim_state_dict_to_load(model, optim, local) is local
+    _assert_same_local_state(local, expected)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_legacy_optim_state_dict_functions(use_orig_params: bool) -> None:
+    """full / scatter / shard / sharded / flatten and optim_state_dict with rank0_only give
+    back the optimizer's exact state; LOCAL passes it through."""
+    run_on_ranks(2, _legacy_functions, use_orig_params)
+
+
+def _dcp_optim_reshard(path: str, save: bool, strategy: ShardingStrategy) -> None:
+    rank = dist.get_rank()
+    model = _wrap(strategy, use_orig_params=True)
+    optim = _optimizer("adam", list(model.parameters()))
+    if save:
+        for step in range(2):
+            _step(model, optim, rank, step)
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            osd = FSDP.optim_state_dict(model, optim)
+            dcp.save({"optim": osd}, checkpoint_id=path)
+            full = FSDP.full_optim_state_dict(model, optim)
+        if rank == 0:
+            torch.save(full, f"{path}.expected.pt")
+        return
+    for step in range(2):  # some state to overwrite: DCP loads into existing tensors
+        _step(model, optim, rank, 10 + step)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        template = FSDP.optim_state_dict(model, optim)
+        dcp.load({"optim": template}, checkpoint_id=path)
+        optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, template))
+    full = FSDP.full_optim_state_dict(model, optim)
+    if rank == 0:
+        expected = torch.load(f"{path}.expected.pt", weights_only=True)
+        _assert_same_named(full, expected)
+
+
+@pytest.mark.parametrize("saved_on, loaded_on", [(2, 3), (3, 2)], ids=["2->3", "3->2"])
+def test_sharded_optim_state_dict_reshards_with_dcp(
+    saved_on: int, loaded_on: int, tmp_path: Any
+) -> None:
+    """SHARDED optimizer state saved with DCP on one world size loads on another."""
+    path = str(tmp_path / "ckpt")
+    run_on_ranks(saved_on, _dcp_optim_reshard, path, True, ShardingStrategy.FULL_SHARD)
+    run_on_ranks(loaded_on, _dcp_optim_reshard, path, False, ShardingStrategy.SHARD_GRAD_OP)
+
+
+def _errors() -> None:
+    model = _wrap(ShardingStrategy.FULL_SHARD, use_orig_params=True)
+    optim = _optimizer("adam", list(model.parameters()))
+    _step(model, optim, dist.get_rank(), 0)
+    osd = FSDP.optim_state_dict(model, optim)
+    with pytest.raises(ValueError, match="rekey_optim_state_dict"):
+        FSDP.optim_state_dict_to_load(model, optim, optim.state_dict())
+    renamed = copy.deepcopy(osd)
+    renamed["state"]["not.a.param"] = renamed["state"].pop("embed_tokens.weight")
+    with pytest.raises(ValueError, match=r"state for \['not.a.param'\]"):
+        FSDP.optim_state_dict_to_load(model, optim, renamed)
+    reshaped = copy.deepcopy(osd)
+    reshaped["state"]["output_proj.bias"]["exp_avg"] = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"'exp_avg' of 'output_proj.bias' has shape \(3,\)"):
+        FSDP.optim_state_dict_to_load(model, optim, reshaped)
+    other = torch.optim.Adam([nn.Parameter(torch.zeros(2))])
+    with pytest.raises(ValueError, match="not in the model"):
+        FSDP.optim_state_dict(model, other)
+
+
+def test_optim_state_dict_errors() -> None:
+    """Id-keyed dicts, unknown names, wrong shapes and foreign optimizers get clear errors."""
+    run_on_ranks(2, _errors)
