@@ -435,14 +435,15 @@ def load(
     targets = {fqn: (position, op) for position, op in enumerate(ordered) for fqn in op.fqns}
     _check_names(skeleton["state"], targets, where)
     device = units[0].compute_device if units else torch.device("cpu")
+    # With rank0_only only rank 0 holds the tensors; the others walk the skeleton.
+    holder = osd if not rank0_only or dist.get_rank(group) == 0 else None
     states: dict[int, dict[str, Any]] = {}
     for fqn, param_state in skeleton["state"].items():
         position, op = targets[fqn]
         state = states.setdefault(position, {})
         for key, value in param_state.items():
             if _is_param_shaped(value):
-                holds_full = osd is not None and (not rank0_only or dist.get_rank(group) == 0)
-                source = osd["state"][fqn][key] if holds_full else value
+                source = holder["state"][fqn][key] if holder is not None else value
                 full = _full_value(source, value, rank0_only, group, device)
                 _load_tensor(op, fqn, key, full, state)
             else:
