@@ -1,0 +1,360 @@
+"""Checkpoints for training loops: ``save`` and ``load`` on ``torch.distributed.checkpoint``.
+
+::
+
+    fullshard.checkpoint.save("ckpt/latest", model, optim, step=step)
+    ...
+    step = fullshard.checkpoint.load("ckpt/latest", model, optim)["step"]
+
+A checkpoint is a folder: DCP's files (each rank writes its own shards; model and optimizer
+state as SHARDED state dicts, so it loads at any world size and sharding strategy) and
+``fullshard.json``, the metadata: step, world size, strategies, every state dict key with its
+shape and dtype, which optimizer states exist, and the JSON-serialisable extras.
+
+[Note: atomic checkpoints]
+``save`` writes into ``.<name>.partial-<token>`` beside ``path``; ``fullshard.json`` is
+written last, after every rank's files. Only then does rank 0 swap it in: ``path`` is renamed
+to ``.<name>.previous``, the partial folder to ``path``, and the previous one is removed. A
+crash at any point leaves a complete checkpoint: ``path`` itself, or between the two renames
+``.<name>.previous``, which ``load`` falls back to. Leftover partial folders are removed by
+the next successful save.
+
+Loading runs no pickled code: tensors and DCP's non-tensor items are read with
+``torch.load(weights_only=True)`` (DCP's default planner would unpickle arbitrary objects).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
+
+from .api import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+from .fully_sharded_data_parallel import FullyShardedDataParallel
+
+__all__ = ["CheckpointMismatchError", "load", "read_metadata", "save"]
+
+logger = logging.getLogger(__name__)
+
+METADATA_FILE = "fullshard.json"
+_FORMAT = "fullshard-checkpoint"
+_VERSION = 1
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint was saved from a model with other parameters or shapes."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _sharded(model: nn.Module) -> Any:
+    return FullyShardedDataParallel.state_dict_type(
+        model,
+        StateDictType.SHARDED_STATE_DICT,
+        ShardedStateDictConfig(),
+        ShardedOptimStateDictConfig(offload_to_cpu=False),
+    )
+
+
+def _describe(state: Any) -> dict[str, Any]:
+    """Each tensor key of a (model) state dict: its full shape and dtype."""
+    described = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            shape = list(value.shape)  # a DTensor's shape is the full one
+            described[key] = {"shape": shape, "dtype": str(value.dtype).removeprefix("torch.")}
+    return described
+
+
+def _split_extra(extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    values: dict[str, Any] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, value in extra.items():
+        if isinstance(value, torch.Tensor):
+            tensors[name] = value.detach()
+            continue
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as error:
+            raise TypeError(
+                f"checkpoint.save: extra value '{name}' ({type(value).__name__}) is neither a "
+                "tensor nor JSON-serialisable; pass numbers, strings, lists, dicts or tensors"
+            ) from error
+        values[name] = value
+    return values, tensors
+
+
+def save(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optim: torch.optim.Optimizer | None = None,
+    **extra: Any,
+) -> None:
+    """Save ``model`` (FSDP-wrapped) and ``optim`` to the folder ``path``, atomically (see
+    [Note: atomic checkpoints]). ``extra`` values (e.g. ``step=...``) must be the same on
+    every rank: tensors are saved with the state, other values (JSON-serialisable) in the
+    metadata. Collective: call it on every rank with the same ``path`` (on a file system
+    every rank sees)."""
+    path = Path(path)
+    values, tensors = _split_extra(extra)
+    token = [uuid.uuid4().hex[:12]]
+    if dist.is_initialized():
+        dist.broadcast_object_list(token, src=0)
+    partial = path.parent / f".{path.name}.partial-{token[0]}"
+    with _sharded(model):
+        state: dict[str, Any] = {"model": model.state_dict()}
+        if optim is not None:
+            state["optim"] = FullyShardedDataParallel.optim_state_dict(model, optim)
+    if tensors:
+        state["extra"] = tensors
+    metadata = _metadata(model, optim, state, values)
+    if _rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    dcp.save(state, checkpoint_id=partial)
+    if _rank() == 0:
+        _write_json(partial / METADATA_FILE, metadata)
+        _commit(partial, path)
+    _barrier()
+
+
+def _metadata(
+    model: nn.Module,
+    optim: torch.optim.Optimizer | None,
+    state: dict[str, Any],
+    values: dict[str, Any],
+) -> dict[str, Any]:
+    units = FullyShardedDataParallel.fsdp_modules(model)
+    optim_states = None
+    if optim is not None:
+        optim_states = {fqn: sorted(s) for fqn, s in state["optim"]["state"].items()}
+    return {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "step": values.get("step"),
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "sharding_strategies": sorted({unit.sharding_strategy.name for unit in units}),
+        "use_orig_params": bool(units) and units[0]._use_orig_params,
+        "model": _describe(state["model"]),
+        "optimizer": type(optim).__name__ if optim is not None else None,
+        "optimizer_states": optim_states,
+        "extra": values,
+        "extra_tensors": _describe(state.get("extra", {})),
+        "torch_version": torch.__version__,
+    }
+
+
+def _write_json(file: Path, value: dict[str, Any]) -> None:
+    with open(file, "w", encoding="utf-8") as handle:
+        json.dump(value, handle, indent=1, sort_keys=True)
+        handle.flush()
+        os.fsync(handle.fileno())
+    _fsync_dir(file.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _previous(path: Path) -> Path:
+    return path.parent / f".{path.name}.previous"
+
+
+def _commit(partial: Path, path: Path) -> None:
+    """Swap the complete ``partial`` folder in as ``path`` (rank 0)."""
+    previous = _previous(path)
+    if path.exists():
+        if previous.exists():  # `path` is complete, so the older one can go
+            shutil.rmtree(previous)
+        os.rename(path, previous)
+    os.rename(partial, path)
+    _fsync_dir(path.parent)
+    shutil.rmtree(previous, ignore_errors=True)
+    for stale in path.parent.glob(f".{path.name}.partial-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+# -- loading -----------------------------------------------------------------------------------
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, but non-tensor items are unpickled with ``weights_only=True``."""
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _resolve(path: Path) -> Path:
+    if (path / METADATA_FILE).is_file():
+        return path
+    previous = _previous(path)
+    if (previous / METADATA_FILE).is_file():
+        warnings.warn(
+            f"checkpoint {path} is missing (a save was interrupted while swapping it in); "
+            f"loading the previous complete one, {previous}",
+            stacklevel=3,
+        )
+        return previous
+    if path.exists():
+        raise ValueError(
+            f"{path} is not a complete fullshard checkpoint: it has no {METADATA_FILE} (a save "
+            "that did not finish, or a folder written by something else)"
+        )
+    raise FileNotFoundError(f"no checkpoint at {path}")
+
+
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The metadata of the checkpoint at ``path`` (no process group needed)."""
+    folder = _resolve(Path(path))
+    try:
+        with open(folder / METADATA_FILE, encoding="utf-8") as handle:
+            metadata = json.load(handle)
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{folder / METADATA_FILE} is unreadable: {error}") from error
+    if metadata.get("format") != _FORMAT:
+        raise ValueError(
+            f"{folder} is not a fullshard checkpoint (format {metadata.get('format')!r})"
+        )
+    return metadata
+
+
+def _check_model(folder: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Raise naming every key whose presence or shape differs."""
+    missing = [key for key in current if key not in saved]
+    unexpected = [key for key in saved if key not in current]
+    changed = [
+        f"{key} (checkpoint {tuple(saved[key]['shape'])}, model {tuple(current[key]['shape'])})"
+        for key in current
+        if key in saved and saved[key]["shape"] != current[key]["shape"]
+    ]
+    if not (missing or unexpected or changed):
+        return
+    parts = []
+    if missing:
+        parts.append(f"not in the checkpoint: {', '.join(missing)}")
+    if unexpected:
+        parts.append(f"in the checkpoint but not in the model: {', '.join(unexpected)}")
+    if changed:
+        parts.append(f"shapes differ: {', '.join(changed)}")
+    raise CheckpointMismatchError(
+        f"checkpoint {folder} was saved from another model.\n  " + "\n  ".join(parts)
+    )
+
+
+def _init_optim_state(optim: torch.optim.Optimizer) -> None:
+    """Give every parameter its optimizer state (what DCP loads into): one step with zero
+    gradients and zero learning rates, which leaves the parameters unchanged. The loaded
+    state replaces it whole."""
+    if all(param in optim.state for group in optim.param_groups for param in group["params"]):
+        return
+    filled = []
+    for group in optim.param_groups:
+        for param in group["params"]:
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
+                filled.append(param)
+    lrs = []
+    for group in optim.param_groups:
+        lr = group.get("lr")
+        lrs.append(lr)
+        if lr is not None:
+            group["lr"] = torch.tensor(0.0) if isinstance(lr, torch.Tensor) else 0.0
+    try:
+        optim.step()
+    finally:
+        for group, lr in zip(optim.param_groups, lrs):
+            if lr is not None:
+                group["lr"] = lr
+        for param in filled:
+            param.grad = None
+
+
+def _optim_template(
+    folder: Path, model: nn.Module, optim: torch.optim.Optimizer, saved: dict[str, list[str]] | None
+) -> dict[str, Any]:
+    """The SHARDED optimizer state dict DCP loads into: the states the checkpoint has."""
+    if saved is None:
+        raise ValueError(f"checkpoint {folder} holds no optimizer state (saved without optim)")
+    _init_optim_state(optim)
+    template = FullyShardedDataParallel.optim_state_dict(model, optim)
+    absent = [fqn for fqn in saved if fqn not in template["state"]]
+    if absent:
+        raise CheckpointMismatchError(
+            f"checkpoint {folder} has optimizer state for {', '.join(absent)}, which the "
+            "optimizer does not hold; build it over the same parameters as when saving"
+        )
+    template["state"] = {
+        fqn: {key: value for key, value in states.items() if key in saved[fqn]}
+        for fqn, states in template["state"].items()
+        if fqn in saved
+    }
+    return template
+
+
+def load(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optim: torch.optim.Optimizer | None = None,
+) -> dict[str, Any]:
+    """Load a checkpoint ``save`` wrote into ``model`` (and ``optim``), at any world size and
+    sharding strategy; returns the extras given to ``save`` (e.g. ``["step"]``). Raises
+    ``CheckpointMismatchError`` naming every parameter whose name or shape differs.
+    Collective: call it on every rank."""
+    folder = _resolve(Path(path))
+    metadata = read_metadata(folder)
+    with _sharded(model):
+        model_state = model.state_dict()
+        _check_model(folder, metadata["model"], _describe(model_state))
+        state: dict[str, Any] = {"model": model_state}
+        if optim is not None:
+            state["optim"] = _optim_template(folder, model, optim, metadata["optimizer_states"])
+        extra_tensors = {
+            name: torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
+            for name, spec in metadata["extra_tensors"].items()
+        }
+        if extra_tensors:
+            state["extra"] = extra_tensors
+        dcp.load(state, checkpoint_id=folder, planner=_SafeLoadPlanner())
+        model.load_state_dict(state["model"])
+        if optim is not None:
+            loadable = FullyShardedDataParallel.optim_state_dict_to_load(
+                model, optim, state["optim"]
+            )
+            optim.load_state_dict(loadable)
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if metadata["world_size"] != world_size:
+        logger.info(
+            "checkpoint %s was saved on %d ranks, loaded on %d (resharded)",
+            folder,
+            metadata["world_size"],
+            world_size,
+        )
+    return {**metadata["extra"], **state.get("extra", {})}
