@@ -7,6 +7,7 @@ handle: callers issue early and wait where the data is needed. Each call is reco
 - all-gather of a padded buffer of B bytes over N ranks: ``B * (N - 1) / N``
 - reduce-scatter of B bytes over N ranks: ``B * (N - 1) / N``
 - all-reduce of B bytes over N ranks: ``2 * B * (N - 1) / N``
+- gather of shards of B bytes to one rank: ``B`` from every other rank, 0 from that rank
 
 Reduce-scatter, worked example with 2 ranks and a 4-element input::
 
@@ -69,6 +70,20 @@ def all_gather_into(
     COUNTERS.record("all_gather", label, _tensor_bytes(output) * (num_ranks - 1) / num_ranks)
     with record_function(f"fullshard::all_gather({label})"):
         work = _all_gather_single(output, shard, group=group, async_op=True)
+    assert work is not None
+    return work
+
+
+def gather_to_first_rank(
+    outputs: list[torch.Tensor] | None, shard: torch.Tensor, group: dist.ProcessGroup, label: str
+) -> dist.Work:
+    """Gather equal ``shard`` s to the group's first rank, into ``outputs`` (one per rank, in
+    rank order; None on the other ranks, which only send)."""
+    first = dist.get_global_rank(group, 0)
+    sent = 0 if dist.get_rank(group) == 0 else _tensor_bytes(shard)
+    COUNTERS.record("gather", label, sent)
+    with record_function(f"fullshard::gather({label})"):
+        work = dist.gather(shard, outputs, dst=first, group=group, async_op=True)
     assert work is not None
     return work
 

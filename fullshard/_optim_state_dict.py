@@ -218,9 +218,13 @@ def _unit_states(
     by_index: dict[int, tuple[_OptimParam, dict[str, Any]]],
     fqns: list[str],
     metadata: dict[str, dict[str, _StateMeta]],
+    to_rank0: bool,
 ) -> Iterable[tuple[int, str, torch.Tensor]]:
-    """Yields ``(index, key, full state)`` for every parameter-shaped state of the unit,
-    one all-gather per (key, dtype); each full value is valid until the next yield's gather."""
+    """Yields ``(index, key, full state)`` for every parameter-shaped state of the unit, one
+    collective per (key, dtype): an all-gather (each full value valid until the next yield),
+    or with ``to_rank0`` a gather to rank 0 into fresh memory, yielded on rank 0 only."""
+    if to_rank0 and 0 not in dist.get_process_group_ranks(handle.groups.shard):
+        return  # another replica of this unit's shards sends them to rank 0
     wanted: dict[tuple[str, torch.dtype], list[int]] = {}
     for index, fqn in enumerate(fqns):
         for key, meta in metadata.get(fqn, {}).items():
@@ -229,15 +233,18 @@ def _unit_states(
                 wanted.setdefault((key, meta.dtype), []).append(index)
     for (key, dtype), indices in sorted(wanted.items(), key=lambda item: item[0][0]):
         shard = _local_shard_of_state(handle, by_index, indices, key, dtype)
-        if handle.uses_sharded_strategy:
+        label = f"{handle.label}.optim.{key}"
+        full_flat: torch.Tensor | None = shard
+        if to_rank0:
+            full_flat = handle.gather_flat_to_first_rank(shard, label)
+        elif handle.uses_sharded_strategy:
             full_flat = shard.new_empty(handle.layout.padded_numel)  # (padded_numel,)
-            label = f"{handle.label}.optim.{key}"
             comm.all_gather_into(full_flat, shard, handle.groups.shard, label).wait()
-        else:
-            full_flat = shard
+        if full_flat is None:
+            continue
+        views = handle.views_of_flat(full_flat)
         for index in indices:
-            slot = handle.layout.slots[index]
-            yield index, key, full_flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            yield index, key, views[index]
 
 
 def _local_states(
@@ -281,14 +288,16 @@ def produce(
         if handle is None:
             continue
         fqns = unit_fqns[id(handle)]
-        for index, key, value in _unit_states(
-            handle, by_handle.get(id(handle), {}), fqns, metadata
-        ):
+        to_rank0 = full and rank0_only
+        states_of_unit = by_handle.get(id(handle), {})
+        for index, key, value in _unit_states(handle, states_of_unit, fqns, metadata, to_rank0):
             if not full:
                 tensors[(fqns[index], key)] = _sharded_value(
                     value, handle, device_type, offload_to_cpu
                 )
-            elif keep:
+            elif to_rank0:  # fresh memory already: keep it (a view of the unit's buffer)
+                tensors[(fqns[index], key)] = value.cpu() if offload_to_cpu else value
+            else:
                 tensors[(fqns[index], key)] = _copy(value, offload_to_cpu)
     if not keep:
         return {}

@@ -6,9 +6,11 @@ FSDP wrappers made transparent, each module's parameters (managed ones from thei
 handle, ignored ones as they are), persistent buffers and extra state in ``nn.Module``'s
 order, a parameter shared by several modules under each of their names (the same tensor).
 Values of managed parameters are produced one unit at a time: the unit is all-gathered in
-full precision, its values copied out (to the CPU with ``offload_to_cpu``; kept only on rank
-0 with ``rank0_only``) and the unit resharded before the next, so no rank ever holds more than
-one unsharded unit beyond its shards.
+full precision, its values copied out (to the CPU with ``offload_to_cpu``) and the unit
+resharded before the next, so no rank ever holds more than one unsharded unit beyond its
+shards. With ``rank0_only`` each unit's shards are instead gathered to rank 0 only, straight
+into the buffer its values are views of: rank 0 holds its shards, the copy being built and
+the gather's transient buffers; the other ranks allocate nothing.
 
 Loading goes through ``nn.Module.load_state_dict``: a pre-hook on each unit moves the keys
 under it into the wrapped module's namespace, consumes its managed parameters' values
@@ -245,26 +247,7 @@ def unit_state_dict(
             if handle is not None:
                 values[path + FLAT_PARAM] = _local_value(handle, device_type, config)
     else:
-        by_handle: dict[int, list[_Entry]] = {}
-        for entry in entries:
-            if entry.handle is not None:
-                by_handle.setdefault(id(entry.handle), []).append(entry)
-        for handle_entries in by_handle.values():
-            handle = handle_entries[0].handle
-            assert handle is not None
-            with _gathered(handle) as views:
-                made: dict[int, Any] = {}
-                for entry in handle_entries:
-                    if entry.index not in made:
-                        full = views[entry.index]
-                        if state_dict_type == StateDictType.SHARDED_STATE_DICT:
-                            made[entry.index] = _sharded_value(
-                                full, handle, device_type, config.offload_to_cpu
-                            )
-                        elif keep:
-                            made[entry.index] = _copied(full, config.offload_to_cpu)
-                    if entry.index in made:
-                        values[entry.key] = made[entry.index]
+        values = _managed_values(entries, state_dict_type, config, device_type)
     if not keep:
         return destination
     for entry in entries:
@@ -274,6 +257,59 @@ def unit_state_dict(
             destination[entry.key] = values.pop(entry.key)
     destination.update(values)  # LOCAL: the flat shards
     return destination
+
+
+def _managed_values(
+    entries: list[_Entry], state_dict_type: StateDictType, config: Any, device_type: str
+) -> dict[str, Any]:
+    """FULL or SHARDED values of the managed parameters, one unit at a time."""
+    rank0_only = (
+        state_dict_type == StateDictType.FULL_STATE_DICT
+        and isinstance(config, FullStateDictConfig)
+        and config.rank0_only
+    )
+    by_handle: dict[int, list[_Entry]] = {}
+    for entry in entries:
+        if entry.handle is not None:
+            by_handle.setdefault(id(entry.handle), []).append(entry)
+    values: dict[str, Any] = {}
+    for handle_entries in by_handle.values():
+        handle = handle_entries[0].handle
+        assert handle is not None
+        if rank0_only:
+            rank0_views = _full_on_rank0(handle, config.offload_to_cpu)
+            if rank0_views is not None:
+                for entry in handle_entries:
+                    values[entry.key] = rank0_views[entry.index]
+            continue
+        with _gathered(handle) as views:
+            made: dict[int, Any] = {}
+            for entry in handle_entries:
+                if entry.index not in made:
+                    full = views[entry.index]
+                    if state_dict_type == StateDictType.SHARDED_STATE_DICT:
+                        made[entry.index] = _sharded_value(
+                            full, handle, device_type, config.offload_to_cpu
+                        )
+                    else:
+                        made[entry.index] = _copied(full, config.offload_to_cpu)
+                values[entry.key] = made[entry.index]
+    return values
+
+
+def _full_on_rank0(handle: FlatParamHandle, offload_to_cpu: bool) -> list[torch.Tensor] | None:
+    """``rank0_only``: the unit's full parameters on rank 0, gathered from its shard group
+    straight into the buffer the state dict keeps (the values are views of it); the other
+    ranks only send their shard (ranks of other replicas of it, nothing)."""
+    if 0 not in dist.get_process_group_ranks(handle.groups.shard):
+        return None
+    shard = handle.flat_param._local_shard.detach()  # the master copy, in full precision
+    flat = handle.gather_flat_to_first_rank(shard, handle.label)
+    if flat is None:
+        return None
+    if offload_to_cpu and flat.device.type != "cpu":
+        flat = flat.cpu()
+    return handle.views_of_flat(flat)
 
 
 def _local_value(handle: FlatParamHandle, device_type: str, config: StateDictConfig) -> DTensor:

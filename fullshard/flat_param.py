@@ -444,6 +444,27 @@ class FlatParamHandle:
                 source
             )
 
+    def gather_flat_to_first_rank(self, shard: torch.Tensor, label: str) -> torch.Tensor | None:
+        """The unsharded flat form (``(padded_numel,)``) of the shard-shaped ``shard`` (this
+        rank's shard of the parameters or of an optimizer state), in fresh memory on the
+        shard group's first rank; the other ranks only send and get None. For ``rank0_only``
+        state dicts: no rank but the first allocates a unit-sized buffer."""
+        if not self.uses_sharded_strategy or self.groups.shard_size == 1:
+            return shard.to(self.device, copy=True) if self.groups.shard_rank == 0 else None
+        source = shard.to(self.device)
+        if self.groups.shard_rank != 0:
+            comm.gather_to_first_rank(None, source, self.groups.shard, label).wait()
+            return None
+        full = torch.empty(self.layout.padded_numel, dtype=shard.dtype, device=self.device)
+        outputs = list(full.chunk(self.groups.shard_size))  # shard_numel each
+        comm.gather_to_first_rank(outputs, source, self.groups.shard, label).wait()
+        return full
+
+    def views_of_flat(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per parameter, its view (in its shape) of an unsharded flat tensor."""
+        pieces = torch.split(flat[: self.layout.numel], self.layout.numels)
+        return [piece.view(slot.shape) for piece, slot in zip(pieces, self.layout.slots)]
+
     @property
     def offload_params(self) -> bool:
         """The shard and its gradient live on the CPU (``CPUOffload(offload_params=True)``)."""

@@ -394,3 +394,47 @@ def _errors() -> None:
 def test_optim_state_dict_errors() -> None:
     """Id-keyed dicts, unknown names, wrong shapes and foreign optimizers get clear errors."""
     run_on_ranks(2, _errors)
+
+
+def _rank0_only_matches_everywhere(strategy: ShardingStrategy, use_orig_params: bool) -> None:
+    rank = dist.get_rank()
+    model = _wrap(strategy, use_orig_params)
+    optim = _optimizer("adam", list(model.parameters()))
+    for step in range(2):
+        _step(model, optim, rank, step)
+    everywhere = {
+        "model": model.state_dict(),
+        "optim": FSDP.full_optim_state_dict(model, optim, rank0_only=False),
+    }
+    with FSDP.state_dict_type(
+        model,
+        StateDictType.FULL_STATE_DICT,
+        FullStateDictConfig(offload_to_cpu=True, rank0_only=True),
+        FullOptimStateDictConfig(rank0_only=True),
+    ):
+        on_rank0 = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
+    if rank != 0:
+        assert on_rank0 == {"model": {}, "optim": {}}
+        return
+    assert list(on_rank0["model"]) == list(everywhere["model"])
+    for key, value in everywhere["model"].items():
+        torch.testing.assert_close(on_rank0["model"][key], value, rtol=0, atol=0, msg=key)
+    _assert_same_named(on_rank0["optim"], everywhere["optim"])
+    assert on_rank0["optim"]["param_groups"] == everywhere["optim"]["param_groups"]
+
+
+@pytest.mark.parametrize(
+    "world_size, strategy, use_orig_params",
+    [
+        (2, ShardingStrategy.FULL_SHARD, False),
+        (2, ShardingStrategy.NO_SHARD, True),
+        (4, ShardingStrategy.HYBRID_SHARD, True),
+    ],
+    ids=["FULL_SHARD-2", "NO_SHARD-2", "HYBRID_SHARD-4"],
+)
+def test_rank0_only_full_state_dicts_match_everywhere_ones(
+    world_size: int, strategy: ShardingStrategy, use_orig_params: bool
+) -> None:
+    """rank0_only (units gathered to rank 0 only) gives rank 0 the same model and optimizer
+    state dicts as rank0_only=False, and the other ranks empty ones."""
+    run_on_ranks(world_size, _rank0_only_matches_everywhere, strategy, use_orig_params)
