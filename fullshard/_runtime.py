@@ -9,8 +9,9 @@ FULL_SHARD, per unit:
   next in backward, wait for our own parameters;
 - post-backward (the unsharded leaf's post-accumulate-grad hook): issue the reduce-scatter,
   reshard;
+- ... and finalise the previous unit's reduction (see [Note: reductions in flight]);
 - end of backward (an autograd engine callback queued by the first hook of the pass): wait
-  for every reduction, accumulate sharded gradients, reshard whatever is still unsharded.
+  for the last reduction, accumulate sharded gradients, reshard whatever is still unsharded.
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SH
 # in backward), so freeing and re-gathering them would only add one all-gather of the root's
 # parameters per step. The root is resharded at its post-backward instead. Forward passes that
 # cannot be followed by a backward (no grad, or no output requiring grad) reshard every unit.
+
+
+# [Note: reductions in flight]
+# A reduction holds its unit's unsharded gradient until it completes, so waiting for all of
+# them at the end of backward would keep every unit's full gradient alive at once (the whole
+# model's worth). Each post-backward therefore finalises all but the newest
+# MAX_REDUCTIONS_IN_FLIGHT reductions: a unit's reduce-scatter overlaps the next unit's
+# gradient computation, and at most that many unsharded gradients outlive their unit's hook.
+MAX_REDUCTIONS_IN_FLIGHT = 1
 
 
 class TrainingState(enum.Enum):
@@ -91,11 +101,19 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
 class RootState:
     """State shared by every unit under one root for one step; owned by the root."""
 
-    def __init__(self, units: list[UnitRuntime], backward_prefetch: BackwardPrefetch | None):
+    def __init__(
+        self,
+        units: list[UnitRuntime],
+        backward_prefetch: BackwardPrefetch | None,
+        forward_prefetch: bool = False,
+    ):
         self.units = units
         self.backward_prefetch = backward_prefetch
+        self.forward_prefetch = forward_prefetch
         self.forward_order: list[UnitRuntime] = []
         """Units with parameters, in the order their forward first ran this step."""
+        self.previous_forward_order: list[UnitRuntime] = []
+        """The last step's ``forward_order``: what forward prefetching expects to run next."""
         self.pending_reductions: list[UnitRuntime] = []
         self.end_of_backward_queued = False
         self.buffers_full_precision: bool | None = None
@@ -103,7 +121,22 @@ class RootState:
         None before the first forward casts them."""
 
     def begin_forward(self) -> None:
+        if self.forward_order:
+            self.previous_forward_order = self.forward_order
         self.forward_order = []
+
+    def prefetch_for_forward(self, unit: UnitRuntime) -> None:
+        """``forward_prefetch``: issue the all-gather of the unit whose forward followed
+        ``unit``'s in the previous step, so it runs while ``unit`` computes."""
+        if not self.forward_prefetch or unit not in self.previous_forward_order:
+            return
+        index = self.previous_forward_order.index(unit)
+        if index + 1 == len(self.previous_forward_order):
+            return
+        target = self.previous_forward_order[index + 1]
+        handle = target.handle
+        if handle is not None and handle.state == HandleState.SHARDED:
+            handle.unshard(unit.full_precision)
 
     def record_forward(self, unit: UnitRuntime) -> None:
         if unit not in self.forward_order:
@@ -115,12 +148,11 @@ class RootState:
             self.end_of_backward_queued = True
             Variable._execution_engine.queue_callback(self.finish_backward)
 
-    def prefetch_for_backward(self, unit: UnitRuntime) -> None:
-        """Issue the all-gather of the unit that backward reaches after ``unit``."""
-        if (
-            self.backward_prefetch != BackwardPrefetch.BACKWARD_PRE
-            or unit not in self.forward_order
-        ):
+    def prefetch_for_backward(self, unit: UnitRuntime, when: BackwardPrefetch) -> None:
+        """Issue the all-gather of the unit that backward reaches after ``unit``, if the
+        configured ``backward_prefetch`` is ``when`` (BACKWARD_PRE: from ``unit``'s
+        pre-backward, before its gradient is computed; BACKWARD_POST: from its post-backward)."""
+        if self.backward_prefetch != when or unit not in self.forward_order:
             return
         index = self.forward_order.index(unit)
         if index == 0:
@@ -134,12 +166,17 @@ class RootState:
         ):
             handle.unshard(target.full_precision)
 
-    def finish_backward(self) -> None:
-        """Wait for every reduction, finalise sharded gradients, reshard everything."""
-        for unit in self.pending_reductions:
+    def finalize_reductions(self, keep: int = 0) -> None:
+        """Wait for all but the newest ``keep`` reductions, oldest first, and finalise their
+        sharded gradients (see [Note: reductions in flight])."""
+        while len(self.pending_reductions) > keep:
+            unit = self.pending_reductions.pop(0)
             assert unit.handle is not None
             unit.handle.finalize_grad()
-        self.pending_reductions = []
+
+    def finish_backward(self) -> None:
+        """Wait for every reduction, finalise sharded gradients, reshard everything."""
+        self.finalize_reductions()
         for unit in self.units:
             unit.finish_backward()
         self.end_of_backward_queued = False
@@ -187,6 +224,7 @@ class UnitRuntime:
             handle.reshard()  # kept from a forward in the other precision (train <-> eval)
         if handle.state == HandleState.SHARDED:
             handle.unshard(full_precision)
+        self.root.prefetch_for_forward(self)  # issued before we block on our own all-gather
         handle.wait_unshard()
         handle.use_unsharded_views()
 
@@ -221,7 +259,7 @@ class UnitRuntime:
             return
         if handle.state == HandleState.SHARDED:
             handle.unshard(self.full_precision)
-        root.prefetch_for_backward(self)  # issued before we block on our own all-gather
+        root.prefetch_for_backward(self, BackwardPrefetch.BACKWARD_PRE)  # before we block
         handle.wait_unshard()
         handle.use_unsharded_views()
 
@@ -234,6 +272,8 @@ class UnitRuntime:
         if self.sync_gradients:
             handle.reduce_grad()
             root.pending_reductions.append(self)
+            root.finalize_reductions(keep=MAX_REDUCTIONS_IN_FLIGHT)
+        root.prefetch_for_backward(self, BackwardPrefetch.BACKWARD_POST)
         if handle.state != HandleState.SHARDED and not handle.has_detached_frozen_views:
             # Frozen parameters' views are detached, so autograd may still read them after
             # this hook; such units are resharded at the end of backward instead.

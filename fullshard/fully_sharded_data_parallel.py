@@ -61,6 +61,7 @@ class _Settings:
     groups: ShardingGroups
     use_orig_params: bool
     backward_prefetch: BackwardPrefetch | None
+    forward_prefetch: bool
     limit_all_gathers: bool
     device_id: torch.device | None
     mixed_precision: MixedPrecision | None
@@ -82,10 +83,6 @@ def _not_yet(option: str, issue: str) -> NotImplementedError:
 
 def _check_supported(kwargs: dict[str, Any]) -> None:
     """Refuse, by name, options whose behaviour is not built yet: nothing is silently ignored."""
-    if kwargs.get("backward_prefetch") == BackwardPrefetch.BACKWARD_POST:
-        raise _not_yet("backward_prefetch=BackwardPrefetch.BACKWARD_POST", "prefetch")
-    if kwargs.get("forward_prefetch"):
-        raise _not_yet("forward_prefetch=True", "prefetch")
 
 
 def _resolve_mixed_precision(mixed_precision: Any) -> MixedPrecision | None:
@@ -167,6 +164,7 @@ def _resolve_settings(kwargs: dict[str, Any]) -> _Settings:
         groups=groups,
         use_orig_params=bool(kwargs.get("use_orig_params", False)),
         backward_prefetch=prefetch,
+        forward_prefetch=bool(kwargs.get("forward_prefetch", False)),
         limit_all_gathers=bool(kwargs.get("limit_all_gathers", True)),
         device_id=_init_utils.device_from_device_id(
             kwargs.get("device_id"), dist.get_rank() if dist.is_initialized() else 0
@@ -455,7 +453,11 @@ class FullyShardedDataParallel(nn.Module):
                 for name, buffer in module._buffers.items()
                 if buffer is not None and buffer.is_floating_point()
             ]
-        root_state = RootState([m._runtime for _, m in units], self._settings.backward_prefetch)
+        root_state = RootState(
+            [m._runtime for _, m in units],
+            self._settings.backward_prefetch,
+            self._settings.forward_prefetch,
+        )
         for _, unit in units:
             unit._runtime.root_state = root_state
 

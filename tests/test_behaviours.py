@@ -816,34 +816,6 @@ def test_summon_raises_when_called_during_forward(strategy: ShardingStrategy) ->
 
 
 # ----------------------------------------------------------------------------------------
-# 11. Options not built yet
-
-
-def _unsupported_kwargs(option: str, model: nn.Module) -> dict[str, Any]:
-    values: dict[str, Any] = {
-        "forward_prefetch": True,
-    }
-    return {option: values[option]}
-
-
-UNSUPPORTED = {
-    "forward_prefetch": "forward_prefetch",
-}
-
-
-def _check_unsupported_option(option: str) -> None:
-    model = MLP(8)
-    with pytest.raises(NotImplementedError, match=UNSUPPORTED[option]):
-        FSDP(model, **_unsupported_kwargs(option, model))
-
-
-@pytest.mark.parametrize("option", sorted(UNSUPPORTED))
-def test_unbuilt_option_raises_when_passed(option: str) -> None:
-    """Options whose behaviour is not built raise NotImplementedError naming the option."""
-    run_on_ranks(2, _check_unsupported_option, option)
-
-
-# ----------------------------------------------------------------------------------------
 # 12. No dependency on torch's FSDP
 
 

@@ -105,6 +105,62 @@ def test_collectives_per_unit_match_the_schedule(strategy: str, root_params: boo
         assert sum(sent.values()) == pytest.approx(2 * total * ring)  # 2P(N-1)/N
 
 
+def _next_unit_state_in_forward(forward_prefetch: bool) -> list[str]:
+    """The state of block k+1's handle while block k computes, in the second step."""
+    model = _wrapped_stack("FULL_SHARD", forward_prefetch=forward_prefetch)
+    units = [unit for unit in FSDP.fsdp_modules(model) if unit is not model]
+    seen: list[str] = []
+    for index, unit in enumerate(units[:-1]):
+        following = units[index + 1]
+
+        def record(module: nn.Module, args: Any, following: FSDP = following) -> None:
+            assert following._handle is not None
+            seen.append(following._handle.state.name)
+
+        unit.module.register_forward_pre_hook(record)
+    for _ in range(2):
+        seen.clear()
+        model(torch.randn(4, 7)).sum().backward()
+    return seen
+
+
+@pytest.mark.parametrize("forward_prefetch", [False, True])
+def test_forward_prefetch_gathers_next_unit_during_compute(forward_prefetch: bool) -> None:
+    """forward_prefetch=True: while a unit computes, the next unit's all-gather is issued
+    (the order comes from the previous step); without it, the next unit is still sharded."""
+    seen = run_on_ranks(2, _next_unit_state_in_forward, forward_prefetch)[0]
+    expected = {"UNSHARDING", "UNSHARDED"} if forward_prefetch else {"SHARDED"}
+    assert len(seen) == 2 and set(seen) <= expected, seen
+
+
+def _backward_labels(prefetch: str | None) -> list[tuple[str, str]]:
+    from fullshard import BackwardPrefetch
+
+    policy = BackwardPrefetch[prefetch] if prefetch else None
+    model = _wrapped_stack("FULL_SHARD", root_params=False, backward_prefetch=policy)
+    x = torch.randn(4, 7)
+    model(x).sum().backward()
+    loss = model(x).sum()
+    COUNTERS.reset()
+    loss.backward()
+    return list(COUNTERS.labels)
+
+
+@pytest.mark.parametrize("prefetch", ["BACKWARD_PRE", "BACKWARD_POST", None])
+def test_backward_prefetch_issues_next_gather_before_or_after_reduction(
+    prefetch: str | None,
+) -> None:
+    """BACKWARD_PRE issues the next unit's all-gather before this unit's gradient (and so
+    before its reduce-scatter); BACKWARD_POST and None issue it after the reduce-scatter."""
+    labels = run_on_ranks(2, _backward_labels, prefetch)[0]
+    gathers = [label for kind, label in labels if kind == "all_gather"]
+    assert gathers == ["blocks.2", "blocks.1", "blocks.0"], labels
+    for later, earlier in (("blocks.1", "blocks.2"), ("blocks.0", "blocks.1")):
+        gather = labels.index(("all_gather", later))
+        reduction = labels.index(("reduce_scatter", earlier))
+        assert (gather < reduction) == (prefetch == "BACKWARD_PRE"), labels
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_no_reduction_inside_no_sync(strategy: str) -> None:
     """Inside no_sync() backward reduces nothing; parameters are still gathered as usual."""

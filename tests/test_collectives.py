@@ -1,0 +1,66 @@
+"""fullshard's collectives on gloo: the point-to-point rings (see [Note: rings on gloo]) give
+what gloo's own all-gather and reduce-scatter give, at every world size."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fullshard import _collectives as comm
+from harness import run_on_ranks
+
+
+def _compare_with_gloo(numel: int, dtype: torch.dtype) -> None:
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(rank)
+    group = dist.group.WORLD
+    assert comm._uses_ring(group, torch.empty(0)) == (os.environ.get("FULLSHARD_GLOO_RINGS") != "0")
+    full = torch.randn(numel * num_ranks, generator=generator).to(dtype)
+    reduced = torch.empty(numel, dtype=dtype)
+    comm.reduce_scatter_into(reduced, full, group, "test").wait()
+    expected = torch.empty_like(reduced)
+    dist.reduce_scatter_tensor(expected, full)
+    if num_ranks == 2:  # one addition, a + b: bitwise what any reduce-scatter gives
+        torch.testing.assert_close(reduced, expected, rtol=0, atol=0)
+    else:  # the ring sums in another order: a few units in the last place apart
+        ulp = torch.finfo(dtype).eps * full.abs().max().item() * num_ranks
+        torch.testing.assert_close(reduced, expected, rtol=0, atol=4 * ulp)
+    shard = torch.randn(numel, generator=generator).to(dtype)
+    gathered = torch.empty(numel * num_ranks, dtype=dtype)
+    comm.all_gather_into(gathered, shard, group, "test").wait()
+    expected_gathered = torch.empty_like(gathered)
+    dist.all_gather_into_tensor(expected_gathered, shard)
+    torch.testing.assert_close(gathered, expected_gathered, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_rings_match_gloo_collectives(num_ranks: int, dtype: torch.dtype) -> None:
+    """Ring reduce-scatter and all-gather equal gloo's (bitwise on 2 ranks)."""
+    run_on_ranks(num_ranks, _compare_with_gloo, 1000, dtype)
+
+
+def test_gloo_rings_can_be_switched_off() -> None:
+    """FULLSHARD_GLOO_RINGS=0 uses gloo's own collectives (same results)."""
+    run_on_ranks(2, _compare_with_gloo, 7, torch.float32, env={"FULLSHARD_GLOO_RINGS": "0"})
+
+
+def _overlapping_rings() -> None:
+    """Two rings in flight at once (a prefetch and a reduction) stay paired by their tags."""
+    rank = dist.get_rank()
+    group = dist.group.WORLD
+    first, second = torch.empty(8), torch.empty(8)
+    work_a = comm.all_gather_into(first, torch.full((4,), float(rank)), group, "a")
+    work_b = comm.all_gather_into(second, torch.full((4,), 10.0 + rank), group, "b")
+    work_b.wait()
+    work_a.wait()
+    assert first.tolist() == [0.0] * 4 + [1.0] * 4
+    assert second.tolist() == [10.0] * 4 + [11.0] * 4
+
+
+def test_rings_in_flight_together_do_not_mix() -> None:
+    """Concurrent rings, waited in the other order, each get their own data."""
+    run_on_ranks(2, _overlapping_rings)
