@@ -135,6 +135,7 @@ def _wrap(
         )
     if engine == "fsdp1":
         from torch.distributed.fsdp import (
+            BackwardPrefetch,
             FullyShardedDataParallel,
             MixedPrecision,
             ShardingStrategy,
@@ -148,6 +149,7 @@ def _wrap(
             mixed_precision=MixedPrecision(torch.bfloat16, torch.bfloat16) if bf16 else None,
             device_id=device,
             forward_prefetch=args.forward_prefetch,
+            backward_prefetch=_backward_prefetch(args, BackwardPrefetch),
         )
     if engine == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -170,7 +172,12 @@ def _wrap(
         mixed_precision=fullshard.MixedPrecision(torch.bfloat16, torch.bfloat16) if bf16 else None,
         device_id=device,
         forward_prefetch=args.forward_prefetch,
+        backward_prefetch=_backward_prefetch(args, fullshard.BackwardPrefetch),
     )
+
+
+def _backward_prefetch(args: argparse.Namespace, enum_type: Any) -> Any:
+    return None if args.backward_prefetch == "none" else enum_type[args.backward_prefetch]
 
 
 def _batch(
@@ -380,6 +387,12 @@ def main(argv: list[str] | None = None) -> int:
         "--forward-prefetch",
         action="store_true",
         help="forward_prefetch=True for torch FSDP1 and fullshard (FSDP2 always prefetches)",
+    )
+    parser.add_argument(
+        "--backward-prefetch",
+        choices=["BACKWARD_PRE", "BACKWARD_POST", "none"],
+        default="BACKWARD_PRE",
+        help="backward_prefetch for torch FSDP1 and fullshard (both default to BACKWARD_PRE)",
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per engine per round")

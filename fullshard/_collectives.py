@@ -209,9 +209,8 @@ def _ring_reduce_scatter(
     rank, num_ranks, following, previous = _neighbours(group)
     chunks = full.chunk(num_ranks)  # (shard_numel,) each
     send = chunks[(rank - 1) % num_ranks]
-    received = torch.empty_like(output)
     for step in range(num_ranks - 1):
+        # The last partial sum is received straight into `output`: no extra buffer.
+        received = output if step == num_ranks - 2 else torch.empty_like(output)
         yield _exchange(send, received, group, following, previous, tag)
-        partial = output if step == num_ranks - 2 else torch.empty_like(output)
-        torch.add(chunks[(rank - step - 2) % num_ranks], received, out=partial)
-        send = partial
+        send = received.add_(chunks[(rank - step - 2) % num_ranks])

@@ -17,6 +17,7 @@ FULL_SHARD, per unit:
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -42,9 +43,21 @@ RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SH
 # A reduction holds its unit's unsharded gradient until it completes, so waiting for all of
 # them at the end of backward would keep every unit's full gradient alive at once (the whole
 # model's worth). Each post-backward therefore finalises all but the newest
-# MAX_REDUCTIONS_IN_FLIGHT reductions: a unit's reduce-scatter overlaps the next unit's
-# gradient computation, and at most that many unsharded gradients outlive their unit's hook.
-MAX_REDUCTIONS_IN_FLIGHT = 1
+# `reductions_in_flight` reductions (below): with one, a unit's reduce-scatter overlaps the
+# next unit's gradient computation, and one unsharded gradient outlives its unit's hook.
+def reductions_in_flight(backward_prefetch: BackwardPrefetch | None) -> int:
+    """How many reductions may stay in flight after a unit's post-backward.
+
+    Backward keeps at most three unit-sized buffers alive besides activations: the unit's
+    parameters, its gradient being computed, and either the next unit's prefetched
+    parameters (BACKWARD_PRE: the all-gather overlaps this unit's gradient computation, and
+    each reduction completes in its own post-backward) or the previous unit's gradient still
+    being reduced (BACKWARD_POST and None: the reduction overlaps the next unit's gradient
+    computation). FULLSHARD_REDUCTIONS_IN_FLIGHT overrides it (memory for overlap)."""
+    override = os.environ.get("FULLSHARD_REDUCTIONS_IN_FLIGHT")
+    if override is not None:
+        return int(override)
+    return 0 if backward_prefetch == BackwardPrefetch.BACKWARD_PRE else 1
 
 
 class TrainingState(enum.Enum):
@@ -110,6 +123,7 @@ class RootState:
         self.units = units
         self.backward_prefetch = backward_prefetch
         self.forward_prefetch = forward_prefetch
+        self.reductions_in_flight = reductions_in_flight(backward_prefetch)
         self.forward_order: list[UnitRuntime] = []
         """Units with parameters, in the order their forward first ran this step."""
         self.previous_forward_order: list[UnitRuntime] = []
@@ -272,7 +286,7 @@ class UnitRuntime:
         if self.sync_gradients:
             handle.reduce_grad()
             root.pending_reductions.append(self)
-            root.finalize_reductions(keep=MAX_REDUCTIONS_IN_FLIGHT)
+            root.finalize_reductions(keep=root.reductions_in_flight)
         root.prefetch_for_backward(self, BackwardPrefetch.BACKWARD_POST)
         if handle.state != HandleState.SHARDED and not handle.has_detached_frozen_views:
             # Frozen parameters' views are detached, so autograd may still read them after

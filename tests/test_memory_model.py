@@ -1,0 +1,53 @@
+"""fullshard.memory: the analytical per-rank memory model (pure arithmetic, no ranks)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fullshard import ShardingStrategy
+from fullshard.memory import estimate, gpt_activations
+
+
+def test_full_shard_splits_model_state_and_counts_units_in_flight() -> None:
+    """FULL_SHARD on 4 ranks: shards of 1/4, Adam's 2 states, 2 units' parameters and 2
+    units' gradients unsharded plus the root's parameters."""
+    result = estimate([1000, 1000, 400], 4, root_numel=100)
+    sharded = 250 + 250 + 100 + 25
+    assert result.params == result.grads == sharded * 4
+    assert result.optimizer == 2 * sharded * 4
+    assert result.unsharded == (2 * 1000 + 100 + 2 * 1000) * 4
+    assert result.peak_added == result.grads + result.optimizer + result.unsharded
+    assert result.total == result.params + result.peak_added
+
+
+def test_strategies_and_precision_change_what_is_unsharded() -> None:
+    """NO_SHARD gathers nothing; SHARD_GRAD_OP keeps every unit; bf16 halves it."""
+    no_shard = estimate([1000, 1000], 4, ShardingStrategy.NO_SHARD)
+    assert no_shard.params == 2000 * 4 and no_shard.unsharded == 2 * 1000 * 4
+    zero2 = estimate([1000, 1000], 4, ShardingStrategy.SHARD_GRAD_OP)
+    assert zero2.unsharded == (2000 + 2 * 1000) * 4
+    bf16 = estimate([1000, 1000], 4, compute_bytes=2)
+    assert bf16.unsharded == estimate([1000, 1000], 4).unsharded // 2
+    hybrid = estimate([1000], 8, ShardingStrategy.HYBRID_SHARD, shard_group_size=2)
+    assert hybrid.params == 500 * 4
+
+
+def test_offload_moves_model_state_off_the_device() -> None:
+    """With parameter offload only unsharded units and activations stay on the device."""
+    result = estimate([1000], 2, offload_params=True, activations=123)
+    assert (result.params, result.grads, result.optimizer) == (0, 0, 0)
+    assert result.peak_added == result.unsharded + 123
+
+
+def test_gpt_activations_scale_with_batch_and_depth() -> None:
+    """Activations grow linearly in batch and (but for the head and workspace) in depth."""
+    one = gpt_activations(1, 64, 128, 4, 4, 256, 4)
+    assert gpt_activations(2, 64, 128, 4, 4, 256, 4) == 2 * one
+    deeper = gpt_activations(1, 64, 128, 8, 4, 256, 4)
+    per_block = (4 + 3 + 2 + 2 + 8) * 64 * 128 * 4
+    assert deeper - one == 4 * per_block
+
+
+def test_bad_world_size_is_rejected() -> None:
+    with pytest.raises(ValueError, match="world_size must be at least 1"):
+        estimate([1], 0)
