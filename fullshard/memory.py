@@ -7,13 +7,13 @@ gives the bytes one rank holds at its peak, split the way they are allocated:
   parameters' dtype; on the CPU with parameter offload.
 - ``grads``: the sharded gradients, same size and dtype as the shards.
 - ``optimizer``: ``optim_states_per_param`` tensors of the shard's size (Adam: 2).
-- ``unsharded``: units whose full parameters and full gradients are alive at once. In
-  backward, unit k's gradient is being computed while unit k-1's all-gather was prefetched
-  (BACKWARD_PRE) and unit k+1's reduction is still in flight (see [Note: reductions in
-  flight]): two units' parameters and two units' gradients, in the compute dtype, each of
-  the largest unit's size; plus the root unit's parameters, kept through the step (see [Note:
-  the root keeps its parameters]). SHARD_GRAD_OP keeps every unit's parameters from forward
-  to backward instead.
+- ``unsharded``: units whose full parameters or full gradients are alive at once. In
+  backward, while unit k's gradient is computed, either unit k-1's parameters were
+  prefetched (BACKWARD_PRE) or unit k+1's gradient is still being reduced (BACKWARD_POST,
+  None): three buffers of the largest unit's size in the compute dtype (see
+  ``_runtime.reductions_in_flight``), plus the root unit's parameters, kept through the step
+  (see [Note: the root keeps its parameters]). SHARD_GRAD_OP keeps every unit's parameters
+  from forward to backward, plus two gradients.
 - ``activations``: what the caller estimates for the model and batch (``gpt_activations``
   for the example GPT).
 
@@ -93,7 +93,7 @@ def estimate(
     elif strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2):
         unsharded_params = sum(numels)  # kept from forward to backward
     else:
-        unsharded_params = 2 * largest + root_numel
+        unsharded_params = largest + root_numel
     unsharded = (unsharded_params + 2 * largest) * compute_bytes
     return MemoryEstimate(params, grads, optimizer, unsharded, activations)
 

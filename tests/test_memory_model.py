@@ -9,13 +9,13 @@ from fullshard.memory import estimate, gpt_activations
 
 
 def test_full_shard_splits_model_state_and_counts_units_in_flight() -> None:
-    """FULL_SHARD on 4 ranks: shards of 1/4, Adam's 2 states, 2 units' parameters and 2
-    units' gradients unsharded plus the root's parameters."""
+    """FULL_SHARD on 4 ranks: shards of 1/4, Adam's 2 states, three unit-sized buffers in
+    backward plus the root's parameters."""
     result = estimate([1000, 1000, 400], 4, root_numel=100)
     sharded = 250 + 250 + 100 + 25
     assert result.params == result.grads == sharded * 4
     assert result.optimizer == 2 * sharded * 4
-    assert result.unsharded == (2 * 1000 + 100 + 2 * 1000) * 4
+    assert result.unsharded == (1000 + 100 + 2 * 1000) * 4
     assert result.peak_added == result.grads + result.optimizer + result.unsharded
     assert result.total == result.params + result.peak_added
 
