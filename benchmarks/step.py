@@ -6,8 +6,9 @@ per transformer block. Engines run in rounds (A B C A B C ...) so drift on the m
 them alike. Per engine it reports the median step time, per-rank peak memory added during
 training (CPU: ``VmHWM`` after ``clear_refs``; CUDA: ``max_memory_allocated``), the bytes each
 rank sent per step (CPU: loopback traffic / ranks; fullshard also counts its own), and the
-last loss, which must match DDP's. Prints a table with ratios, writes JSON, and with
-``--plot`` a PNG.
+last loss, which must match DDP's. Each engine's run is a fresh set of processes, so no
+engine inherits another's allocator state. Prints a table with ratios, writes JSON, and
+with ``--plot`` a PNG.
 
     python benchmarks/step.py --config comm --world-size 2 --json out.json --plot out.png
 """
@@ -247,7 +248,9 @@ def _fullshard_bytes() -> float:
     return COUNTERS.total_bytes
 
 
-def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
+def _worker(rank: int, args: argparse.Namespace, engine: str, port: int, out: str) -> None:
+    """One engine's run on this rank, in a fresh process: every engine starts from a clean
+    allocator, so one engine's leftovers do not count against the next."""
     torch.set_num_threads(args.threads)
     use_cuda = args.device == "cuda"
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
@@ -259,13 +262,9 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
         rank=rank,
         world_size=args.world_size,
     )
-    config = CONFIGS[args.config]
-    per_engine: dict[str, list[dict[str, Any]]] = {engine: [] for engine in args.engines}
-    for _ in range(args.rounds):
-        for engine in args.engines:
-            per_engine[engine].append(_run_engine(engine, config, args, device))
+    result = _run_engine(engine, CONFIGS[args.config], args, device)
     gathered: list[Any] = [None] * args.world_size
-    dist.all_gather_object(gathered, per_engine)
+    dist.all_gather_object(gathered, result)
     if rank == 0:
         Path(out).write_text(json.dumps(gathered))
     dist.barrier()
@@ -411,9 +410,16 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown engines {unknown}; choose from {ENGINES}")
     out = f"/tmp/fullshard-bench-{os.getpid()}.json"
-    mp.spawn(_worker, args=(args, _free_port(), out), nprocs=args.world_size, join=True)
-    gathered = json.loads(Path(out).read_text())
-    os.remove(out)
+    gathered: list[dict[str, list[dict[str, Any]]]] = [
+        {engine: [] for engine in args.engines} for _ in range(args.world_size)
+    ]
+    for _ in range(args.rounds):  # A B C ..., A B C ...: drift hits every engine alike
+        for engine in args.engines:
+            worker_args = (args, engine, _free_port(), out)
+            mp.spawn(_worker, args=worker_args, nprocs=args.world_size, join=True)
+            for rank, result in enumerate(json.loads(Path(out).read_text())):
+                gathered[rank][engine].append(result)
+            os.remove(out)
     config = CONFIGS[args.config]
     results = _summarise(gathered, args.engines)
     params = num_params(GPT(config.gpt()))
