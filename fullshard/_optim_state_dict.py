@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from . import _collectives as comm
-from ._state_dict import _check_idle, _plan, _sharded_value, _units
+from ._state_dict import _check_idle, _copied, _plan, _sharded_value, _units
 from .flat_param import FlatParameter, FlatParamHandle
 
 if TYPE_CHECKING:
@@ -298,7 +298,7 @@ def produce(
             elif to_rank0:  # fresh memory already: keep it (a view of the unit's buffer)
                 tensors[(fqns[index], key)] = value.cpu() if offload_to_cpu else value
             else:
-                tensors[(fqns[index], key)] = _copy(value, offload_to_cpu)
+                tensors[(fqns[index], key)] = _copied(value, offload_to_cpu)
     if not keep:
         return {}
     state = _assemble(ordered, states, metadata, tensors, offload_to_cpu)
@@ -306,10 +306,6 @@ def produce(
         source["param_groups"] if source is not None else optim.state_dict()["param_groups"]
     )
     return {"state": state, "param_groups": _named_param_groups(base_groups, ordered)}
-
-
-def _copy(value: torch.Tensor, offload_to_cpu: bool) -> torch.Tensor:
-    return value.detach().to("cpu", copy=True) if offload_to_cpu else value.detach().clone()
 
 
 def _assemble(
@@ -326,7 +322,9 @@ def _assemble(
         if op.handle is None:
             if local:
                 out[op.fqns[0]] = {
-                    key: _copy(value, offload_to_cpu) if isinstance(value, torch.Tensor) else value
+                    key: _copied(value, offload_to_cpu)
+                    if isinstance(value, torch.Tensor)
+                    else value
                     for key, value in local.items()
                 }
             continue
@@ -338,7 +336,7 @@ def _assemble(
                 if meta.kind == "tensor":
                     param_state[key] = tensors[(fqn, key)]
                 elif meta.kind == "scalar" and key in local:
-                    param_state[key] = _copy(local[key], offload_to_cpu)
+                    param_state[key] = _copied(local[key], offload_to_cpu)
                 else:
                     param_state[key] = copy.copy(meta.value)
             out[fqn] = param_state
