@@ -3,30 +3,59 @@
 Switch from torch by changing one import::
 
     from fullshard import FullyShardedDataParallel as FSDP, ShardingStrategy
+
+The names below load on first use (PEP 562), so ``fullshard plan`` and ``fullshard --help``
+answer without importing torch (about a second and a half on a small machine).
 """
 
 from __future__ import annotations
 
-from . import wrap
-from .api import (
-    BackwardPrefetch,
-    CPUOffload,
-    FullOptimStateDictConfig,
-    FullStateDictConfig,
-    LocalOptimStateDictConfig,
-    LocalStateDictConfig,
-    MixedPrecision,
-    OptimStateDictConfig,
-    ShardedOptimStateDictConfig,
-    ShardedStateDictConfig,
-    ShardingStrategy,
-    StateDictConfig,
-    StateDictSettings,
-    StateDictType,
-)
-from .flat_param import FlatParameter
-from .fully_sharded_data_parallel import FullyShardedDataParallel, OptimStateKeyType
-from .sharded_grad_scaler import ShardedGradScaler
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from . import wrap
+    from .api import (
+        BackwardPrefetch,
+        CPUOffload,
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        LocalOptimStateDictConfig,
+        LocalStateDictConfig,
+        MixedPrecision,
+        OptimStateDictConfig,
+        ShardedOptimStateDictConfig,
+        ShardedStateDictConfig,
+        ShardingStrategy,
+        StateDictConfig,
+        StateDictSettings,
+        StateDictType,
+    )
+    from .flat_param import FlatParameter
+    from .fully_sharded_data_parallel import FullyShardedDataParallel, OptimStateKeyType
+    from .sharded_grad_scaler import ShardedGradScaler
+
+_HOMES = {
+    "BackwardPrefetch": "api",
+    "CPUOffload": "api",
+    "FullOptimStateDictConfig": "api",
+    "FullStateDictConfig": "api",
+    "LocalOptimStateDictConfig": "api",
+    "LocalStateDictConfig": "api",
+    "MixedPrecision": "api",
+    "OptimStateDictConfig": "api",
+    "ShardedOptimStateDictConfig": "api",
+    "ShardedStateDictConfig": "api",
+    "ShardingStrategy": "api",
+    "StateDictConfig": "api",
+    "StateDictSettings": "api",
+    "StateDictType": "api",
+    "FlatParameter": "flat_param",
+    "FullyShardedDataParallel": "fully_sharded_data_parallel",
+    "OptimStateKeyType": "fully_sharded_data_parallel",
+    "ShardedGradScaler": "sharded_grad_scaler",
+}
+"""Public name -> the submodule that defines it."""
 
 __all__ = [
     "BackwardPrefetch",
@@ -49,3 +78,18 @@ __all__ = [
     "StateDictType",
     "wrap",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        value = getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
+    elif name == "wrap":
+        value = importlib.import_module(".wrap", __name__)
+    else:
+        raise AttributeError(f"module 'fullshard' has no attribute {name!r}")
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

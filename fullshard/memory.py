@@ -25,10 +25,32 @@ peak.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
 
-from .api import ShardingStrategy
+if TYPE_CHECKING:  # no torch at import: `fullshard plan` answers without loading it
+    from .api import ShardingStrategy
 
-__all__ = ["MemoryEstimate", "estimate", "gpt_activations"]
+__all__ = [
+    "MemoryEstimate",
+    "communication_bytes",
+    "estimate",
+    "gpt_activations",
+    "transformer_activations",
+]
+
+Strategy = Union["ShardingStrategy", str]
+"""A `ShardingStrategy` or its name."""
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+_KEEPS_UNSHARDED_AFTER_FORWARD = ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2")
+_HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
+
+def _strategy_name(strategy: Strategy) -> str:
+    name = strategy if isinstance(strategy, str) else strategy.name
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown sharding strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+    return name
 
 
 @dataclass(frozen=True)
@@ -58,7 +80,7 @@ def _shard(numel: int, num_shards: int) -> int:
 def estimate(
     unit_numels: list[int],
     world_size: int,
-    strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
+    strategy: Strategy = "FULL_SHARD",
     *,
     root_numel: int = 0,
     param_bytes: int = 4,
@@ -76,10 +98,9 @@ def estimate(
     optimizer state are on the CPU and are not counted here."""
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
+    name = _strategy_name(strategy)
     compute_bytes = compute_bytes or param_bytes
-    shards = shard_group_size or world_size
-    if strategy == ShardingStrategy.NO_SHARD:
-        shards = 1
+    shards = _shard_ranks(name, world_size, shard_group_size)
     numels = [*unit_numels, root_numel]
     sharded = sum(_shard(numel, shards) for numel in numels)
     params = sharded * param_bytes
@@ -88,14 +109,84 @@ def estimate(
     if offload_params:
         params = grads = optimizer = 0
     largest = max(unit_numels, default=0)
-    if strategy == ShardingStrategy.NO_SHARD:
+    if name == "NO_SHARD":
         unsharded_params = 0  # the shard is the whole unit: nothing is gathered
-    elif strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2):
+    elif name in _KEEPS_UNSHARDED_AFTER_FORWARD:
         unsharded_params = sum(numels)  # kept from forward to backward
     else:
         unsharded_params = largest + root_numel
     unsharded = (unsharded_params + 2 * largest) * compute_bytes
     return MemoryEstimate(params, grads, optimizer, unsharded, activations)
+
+
+def _shard_ranks(name: str, world_size: int, shard_group_size: int | None) -> int:
+    if name == "NO_SHARD":
+        return 1
+    if name in _HYBRID:
+        shards = shard_group_size or world_size
+        if world_size % shards:
+            raise ValueError(
+                f"{name}: world size {world_size} is not a multiple of the shard group size "
+                f"{shards} (the ranks per node)"
+            )
+        return shards
+    return world_size
+
+
+def communication_bytes(
+    unit_numels: list[int],
+    world_size: int,
+    strategy: Strategy = "FULL_SHARD",
+    *,
+    root_numel: int = 0,
+    compute_bytes: int = 4,
+    reduce_bytes: int | None = None,
+    shard_group_size: int | None = None,
+) -> int:
+    """Bytes one rank sends per training step (ring estimate, as ``fullshard._collectives``
+    counts them): with G ranks sharding a unit of B bytes, an all-gather or a reduce-scatter
+    sends ``B (G - 1) / G``; an all-reduce twice that. FULL_SHARD gathers every unit twice
+    (forward and backward; the root once) and reduce-scatters its gradient once;
+    SHARD_GRAD_OP gathers once; NO_SHARD all-reduces the gradient; the hybrid strategies
+    also all-reduce each gradient shard over the ``world_size / G`` replicas."""
+    name = _strategy_name(strategy)
+    reduce_bytes = reduce_bytes or compute_bytes
+    shards = _shard_ranks(name, world_size, shard_group_size)
+    total = sum(unit_numels) + root_numel
+    if name == "NO_SHARD":
+        return int(2 * total * reduce_bytes * (world_size - 1) / world_size)
+    gathers = total if name in _KEEPS_UNSHARDED_AFTER_FORWARD else 2 * sum(unit_numels) + root_numel
+    within = (gathers * compute_bytes + total * reduce_bytes) * (shards - 1) / shards
+    replicas = world_size // shards
+    across = 2 * (total / shards) * reduce_bytes * (replicas - 1) / replicas if replicas > 1 else 0
+    return int(within + across)
+
+
+def transformer_activations(
+    batch: int,
+    seq_len: int,
+    d_model: int,
+    n_layers: int,
+    ffn: int,
+    vocab: int,
+    bytes_: int,
+    *,
+    gated_mlp: bool = False,
+    checkpointed: bool = False,
+) -> int:
+    """Bytes autograd saves for backward in a pre-norm decoder with fused (flash) attention,
+    no activation checkpointing, plus one block's gradient workspace. Per block, with
+    ``N = batch * seq_len`` tokens: 11 tensors of ``N * d_model`` (2 layer-norm inputs and
+    2 outputs, q, k and v, the attention output and the projection's input, the two
+    residual sums) and the MLP's hidden tensors, 2 of ``N * ffn`` (before and after the
+    activation; 3 with a gated MLP). The logits and their softmax, ``N * vocab`` each. With
+    ``checkpointed`` (activation checkpointing per block) a block keeps only its input and
+    one block's tensors exist at a time, while it is recomputed."""
+    tokens = batch * seq_len
+    per_block = 11 * tokens * d_model + (3 if gated_mlp else 2) * tokens * ffn
+    saved = n_layers * (tokens * d_model if checkpointed else per_block)
+    logits = 2 * tokens * vocab
+    return (saved + per_block + logits) * bytes_
 
 
 def gpt_activations(
@@ -107,7 +198,6 @@ def gpt_activations(
     output and the projection input (2), the two residual sums (2), and the MLP's hidden
     activation before and after the GELU (2 * mlp_ratio). The logits and their softmax
     (``batch * seq_len * vocab`` each) and one block's worth of gradients in flight."""
-    tokens_width = batch * seq_len * d_model
-    per_block = (4 + 3 + 2 + 2 + 2 * mlp_ratio) * tokens_width
-    logits = 2 * batch * seq_len * vocab
-    return (n_layers * per_block + per_block + logits) * bytes_
+    return transformer_activations(
+        batch, seq_len, d_model, n_layers, mlp_ratio * d_model, vocab, bytes_
+    )

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import fullshard
 from fullshard import FullyShardedDataParallel as FSDP
 from fullshard import ShardingStrategy
 from fullshard.flat_param import FlatParamHandle
@@ -988,3 +989,25 @@ def test_zero_grad_then_summon_keeps_grads_cleared(
     summon_full_params leaves no stale gradient for the next step (parity with a local model
     stepping averaged gradients, 3 SGD steps)."""
     run_on_ranks(2, _check_set_to_none_then_summon, strategy, set_to_none)
+
+
+def test_public_names_load_on_first_use() -> None:
+    """``import fullshard`` loads no torch (``fullshard plan`` relies on it); every name in
+    ``__all__`` resolves, to the same object as its defining module's."""
+    code = (
+        "import sys, fullshard\n"
+        "assert 'torch' not in sys.modules, 'import fullshard loaded torch'\n"
+        "from fullshard import *\n"
+        "import fullshard.api, fullshard.fully_sharded_data_parallel as f\n"
+        "assert fullshard.ShardingStrategy is fullshard.api.ShardingStrategy\n"
+        "assert fullshard.FullyShardedDataParallel is f.FullyShardedDataParallel\n"
+        "print(sorted(n for n in fullshard.__all__ if getattr(fullshard, n, None) is None))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+    with pytest.raises(AttributeError, match="has no attribute 'FullyShardedDataParalel'"):
+        _ = fullshard.FullyShardedDataParalel  # type: ignore[attr-defined]

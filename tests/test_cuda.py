@@ -18,12 +18,12 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize(
     "extra", [[], ["--mixed-precision", "bf16", "--cpu-offload"]], ids=["fp32", "bf16_offload"]
 )
-def test_main_job_trains_on_two_gpus_with_nccl(extra: list[str]) -> None:
-    """The LM example trains under NCCL on 2 GPUs with FULL_SHARD and its loss falls, also
-    with bf16 mixed precision and parameters offloaded to the CPU (pinned, async copies)."""
+def test_main_job_trains_on_two_gpus_with_nccl(extra: list[str], tmp_path: Path) -> None:
+    """``fullshard train`` trains under NCCL on 2 GPUs with FULL_SHARD and its loss falls,
+    also with bf16 mixed precision and parameters offloaded to the CPU (pinned, async)."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        "-m", "fullshard.examples.train_lm", "--device", "cuda", "--steps", "40", *extra,
+        sys.executable, "-m", "fullshard", "train", "--device", "cuda", "--steps", "40",
+        "--out", str(tmp_path), "--checkpoint-every", "20", *extra,
     ]  # fmt: skip
     result = subprocess.run(
         cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=dict(os.environ)

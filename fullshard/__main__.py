@@ -1,0 +1,7 @@
+"""``python -m fullshard`` is the ``fullshard`` command."""
+
+import sys
+
+from fullshard.cli import main
+
+sys.exit(main())

@@ -1,0 +1,452 @@
+"""``fullshard bench``: one training step under local, DDP, torch FSDP1, torch FSDP2 and
+fullshard, alternated.
+
+One invocation spawns ``--world-size`` ranks (gloo on CPU, NCCL on CUDA) that train the same
+GPT (``fullshard.examples.gpt``), on the same data, with Adam, each engine wrapping one unit
+per transformer block. Engines run in rounds (A B C A B C ...) so drift on the machine hits
+them alike. Per engine it reports the median step time, per-rank peak memory added during
+training (CPU: ``VmHWM`` after ``clear_refs``; CUDA: ``max_memory_allocated``), the bytes each
+rank sent per step (CPU: loopback traffic / ranks; fullshard also counts its own), and the
+last loss, which must match DDP's. Each engine's run is a fresh set of processes, so no
+engine inherits another's allocator state. Prints a table with ratios, writes JSON, and
+with ``--plot`` a PNG.
+
+    fullshard bench --config comm --world-size 2 --json out.json --plot out.png
+
+This is the one module of the package that imports torch's FSDP (inside ``_wrap``, for the
+engines it compares against); the engine itself never does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import re
+import socket
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from fullshard.examples.gpt import GPT, Block, GPTConfig, num_params
+from fullshard.plan import ModelShape, gpt_shape, make_plan
+
+ENGINES = ["local", "ddp", "fsdp1", "fsdp2", "fullshard"]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """A model shape and a per-rank batch."""
+
+    name: str
+    n_layers: int
+    d_model: int
+    mlp_ratio: int
+    batch: int
+    seq_len: int
+    n_heads: int = 8
+
+    def gpt(self) -> GPTConfig:
+        return GPTConfig(
+            vocab_size=256,
+            seq_len=self.seq_len,
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            n_layers=self.n_layers,
+            mlp_ratio=self.mlp_ratio,
+        )
+
+
+CONFIGS = {
+    "comm": BenchConfig("comm", n_layers=8, d_model=1024, mlp_ratio=4, batch=2, seq_len=64),
+    "compute": BenchConfig("compute", n_layers=6, d_model=256, mlp_ratio=4, batch=8, seq_len=128),
+    "tiny": BenchConfig(
+        "tiny", n_layers=2, d_model=64, mlp_ratio=4, batch=2, seq_len=16, n_heads=4
+    ),
+}
+
+
+@dataclass
+class EngineResult:
+    engine: str
+    step_times: list[float] = field(default_factory=list)
+    peak_mib: list[float] = field(default_factory=list)
+    """Per rank, the largest peak seen over the rounds."""
+    bytes_per_step: float = 0.0
+    loss: float = float("nan")
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.step_times) if self.step_times else float("nan")
+
+
+# -- measurement ----------------------------------------------------------------------------
+
+
+def _rss_kib(field_name: str) -> int:
+    with open("/proc/self/status") as status:
+        match = re.search(rf"{field_name}:\s+(\d+) kB", status.read())
+    return int(match.group(1)) if match else 0
+
+
+def _reset_peak(device: torch.device) -> float:
+    """Start a new peak; returns the current usage in MiB (the baseline)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated() / 2**20
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+    return _rss_kib("VmRSS") / 1024
+
+
+def _peak(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return _rss_kib("VmHWM") / 1024
+
+
+def _loopback_bytes() -> int:
+    with open("/proc/net/dev") as dev:
+        for line in dev:
+            if line.strip().startswith("lo:"):
+                return int(line.split(":")[1].split()[8])  # transmitted bytes
+    return 0
+
+
+# -- engines --------------------------------------------------------------------------------
+
+
+def _wrap(
+    engine: str, model: nn.Module, args: argparse.Namespace, device: torch.device
+) -> nn.Module:
+    bf16 = args.mixed_precision == "bf16"
+    if engine == "local":
+        return model
+    if engine == "ddp":
+        return nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    if engine == "fsdp1":
+        from torch.distributed.fsdp import (
+            BackwardPrefetch,
+            FullyShardedDataParallel,
+            MixedPrecision,
+            ShardingStrategy,
+        )
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        return FullyShardedDataParallel(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            sharding_strategy=ShardingStrategy[args.strategy],
+            mixed_precision=MixedPrecision(torch.bfloat16, torch.bfloat16) if bf16 else None,
+            device_id=device,
+            forward_prefetch=args.forward_prefetch,
+            backward_prefetch=_backward_prefetch(args, BackwardPrefetch),
+        )
+    if engine == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        reshard = args.strategy == "FULL_SHARD"
+        policy = (
+            MixedPrecisionPolicy(torch.bfloat16, torch.bfloat16) if bf16 else MixedPrecisionPolicy()
+        )
+        for block in model.blocks:  # type: ignore[union-attr]
+            fully_shard(block, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(model, reshard_after_forward=reshard, mp_policy=policy)
+        return model
+    import fullshard
+    from fullshard.wrap import ModuleWrapPolicy as OurPolicy
+
+    return fullshard.FullyShardedDataParallel(
+        model,
+        auto_wrap_policy=OurPolicy({Block}),
+        sharding_strategy=fullshard.ShardingStrategy[args.strategy],
+        mixed_precision=fullshard.MixedPrecision(torch.bfloat16, torch.bfloat16) if bf16 else None,
+        device_id=device,
+        forward_prefetch=args.forward_prefetch,
+        backward_prefetch=_backward_prefetch(args, fullshard.BackwardPrefetch),
+    )
+
+
+def _backward_prefetch(args: argparse.Namespace, enum_type: Any) -> Any:
+    return None if args.backward_prefetch == "none" else enum_type[args.backward_prefetch]
+
+
+def _batch(
+    config: BenchConfig, rank: int, step: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(10_000 * step + rank)
+    tokens = torch.randint(0, 256, (config.batch, config.seq_len + 1), generator=generator)
+    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)  # (B, T) each
+
+
+def _run_engine(
+    engine: str, config: BenchConfig, args: argparse.Namespace, device: torch.device
+) -> dict[str, Any]:
+    rank = dist.get_rank()
+    runs_here = engine != "local" or rank == 0
+    result: dict[str, Any] = {"times": [], "peak_mib": 0.0, "bytes": 0.0, "loss": float("nan")}
+    dist.barrier()
+    if runs_here:
+        torch.manual_seed(0)
+        model = _wrap(engine, GPT(config.gpt()).to(device), args, device)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+        baseline = _reset_peak(device)
+        sent_before, counted_before = 0, 0.0
+        for step in range(args.warmup + args.steps):
+            if step == args.warmup:
+                sent_before = _loopback_bytes()
+                counted_before = _fullshard_bytes()
+            inputs, targets = _batch(config, rank, step, device)
+            if engine != "local":
+                dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            with torch.autocast(device.type, torch.bfloat16, enabled=_autocast(engine, args)):
+                logits = model(inputs)  # (B, T, V)
+            loss = F.cross_entropy(logits.float().reshape(-1, 256), targets.reshape(-1))
+            loss.backward()
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            if step >= args.warmup:
+                result["times"].append(elapsed)
+            result["loss"] = loss.item()
+        result["peak_mib"] = _peak(device) - baseline
+        if engine != "local":
+            result["bytes"] = (_loopback_bytes() - sent_before) / args.steps / dist.get_world_size()
+            if engine == "fullshard":
+                result["counted_bytes"] = (_fullshard_bytes() - counted_before) / args.steps
+            total = torch.tensor([result["loss"]], device=device)
+            dist.all_reduce(total)
+            result["loss"] = total.item() / dist.get_world_size()
+        del model, optim
+    dist.barrier()
+    return result
+
+
+def _autocast(engine: str, args: argparse.Namespace) -> bool:
+    """local and DDP get bf16 through autocast; the FSDP engines through their own policy."""
+    return args.mixed_precision == "bf16" and engine in ("local", "ddp")
+
+
+def _fullshard_bytes() -> float:
+    from fullshard._collectives import COUNTERS
+
+    return COUNTERS.total_bytes
+
+
+def _worker(rank: int, args: argparse.Namespace, engine: str, port: int, out: str) -> None:
+    """One engine's run on this rank, in a fresh process: every engine starts from a clean
+    allocator, so one engine's leftovers do not count against the next."""
+    torch.set_num_threads(args.threads)
+    use_cuda = args.device == "cuda"
+    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=args.world_size,
+    )
+    result = _run_engine(engine, CONFIGS[args.config], args, device)
+    gathered: list[Any] = [None] * args.world_size
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        Path(out).write_text(json.dumps(gathered))
+    dist.barrier()
+    # Skip the process group's teardown: about one run in six, gloo aborted in it here
+    # ("terminate called without an active exception") after the results were written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _summarise(
+    gathered: list[dict[str, list[dict[str, Any]]]], engines: list[str]
+) -> list[EngineResult]:
+    results = []
+    for engine in engines:
+        result = EngineResult(engine)
+        rank0_runs = gathered[0][engine]
+        for run in rank0_runs:
+            result.step_times.extend(run["times"])
+        result.peak_mib = [
+            max(run["peak_mib"] for run in rank_runs[engine]) for rank_runs in gathered
+        ]
+        result.bytes_per_step = statistics.median(run["bytes"] for run in rank0_runs)
+        result.loss = rank0_runs[-1]["loss"]
+        results.append(result)
+    return results
+
+
+def _table(
+    results: list[EngineResult], config: BenchConfig, args: argparse.Namespace, params: int
+) -> str:
+    by_name = {r.engine: r for r in results}
+    lines = [
+        f"config {config.name}: {config.n_layers} layers, d_model {config.d_model}, ffn "
+        f"{config.mlp_ratio * config.d_model}, {params / 1e6:.1f}M params, batch "
+        f"{config.batch}x{config.seq_len} per rank; {args.world_size} ranks, {args.device}, "
+        f"{args.strategy}, precision {args.mixed_precision}, {args.rounds} rounds x {args.steps} steps",
+        "",
+        "| engine | median step (s) | vs local | vs DDP | vs FSDP1 | vs FSDP2 | peak MiB per rank | MB sent per rank per step | final loss |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        ratios = []
+        for other in ("local", "ddp", "fsdp1", "fsdp2"):
+            base = by_name.get(other)
+            ratios.append(f"{result.median_s / base.median_s:.2f}x" if base else "-")
+        peaks = " / ".join(f"{p:.0f}" for p in result.peak_mib)
+        lines.append(
+            f"| {result.engine} | {result.median_s:.3f} | {' | '.join(ratios)} | {peaks} | "
+            f"{result.bytes_per_step / 1e6:.1f} | {result.loss:.6f} |"
+        )
+    ddp = by_name.get("ddp")
+    if ddp is not None:
+        for result in results:
+            if result.engine == "local":  # rank 0's data only: its own loss
+                continue
+            if abs(result.loss - ddp.loss) > 1e-4 * abs(ddp.loss):
+                lines.append(
+                    f"\nWARNING: {result.engine}'s loss {result.loss} differs from DDP's {ddp.loss}"
+                )
+    return "\n".join(lines)
+
+
+def _predicted_mib(config: BenchConfig, args: argparse.Namespace) -> float:
+    """fullshard's analytical peak memory added by training, from ``fullshard plan``'s model."""
+    plan = make_plan(
+        bench_shape(config),
+        args.world_size,
+        args.strategy,
+        mixed_precision=args.mixed_precision,
+        batch=config.batch,
+    )
+    return plan.memory.peak_added / 2**20
+
+
+def bench_shape(config: BenchConfig) -> ModelShape:
+    """The `fullshard.plan` shape of a benchmark configuration's GPT."""
+    return gpt_shape(
+        f"bench-{config.name}", config.n_layers, config.d_model, config.n_heads, config.seq_len
+    )
+
+
+def _plot(results: list[EngineResult], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(10, 4))
+    names = [r.engine for r in results]
+    ax_time.bar(names, [r.median_s for r in results], color="tab:blue")
+    ax_time.set_ylabel("median step time (s)")
+    ax_mem.bar(names, [max(r.peak_mib) for r in results], color="tab:orange")
+    ax_mem.set_ylabel("peak MiB added per rank (max over ranks)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="fullshard bench", description="training step: local, DDP, torch FSDP1/2, fullshard"
+    )
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="comm")
+    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--strategy", choices=["FULL_SHARD", "SHARD_GRAD_OP"], default="FULL_SHARD")
+    parser.add_argument("--mixed-precision", choices=["none", "bf16"], default="none")
+    parser.add_argument(
+        "--forward-prefetch",
+        action="store_true",
+        help="forward_prefetch=True for torch FSDP1 and fullshard (FSDP2 always prefetches)",
+    )
+    parser.add_argument(
+        "--backward-prefetch",
+        choices=["BACKWARD_PRE", "BACKWARD_POST", "none"],
+        default="BACKWARD_PRE",
+        help="backward_prefetch for torch FSDP1 and fullshard (both default to BACKWARD_PRE)",
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per engine per round")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--plot", default=None, help="write a PNG chart here")
+    args = parser.parse_args(argv)
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = sorted(set(args.engines) - set(ENGINES))
+    if unknown:
+        parser.error(f"unknown engines {unknown}; choose from {ENGINES}")
+    out = f"/tmp/fullshard-bench-{os.getpid()}.json"
+    gathered: list[dict[str, list[dict[str, Any]]]] = [
+        {engine: [] for engine in args.engines} for _ in range(args.world_size)
+    ]
+    for _ in range(args.rounds):  # A B C ..., A B C ...: drift hits every engine alike
+        for engine in args.engines:
+            worker_args = (args, engine, _free_port(), out)
+            mp.spawn(_worker, args=worker_args, nprocs=args.world_size, join=True)
+            for rank, result in enumerate(json.loads(Path(out).read_text())):
+                gathered[rank][engine].append(result)
+            os.remove(out)
+    config = CONFIGS[args.config]
+    results = _summarise(gathered, args.engines)
+    params = num_params(GPT(config.gpt()))
+    print(_table(results, config, args, params))
+    predicted = _predicted_mib(config, args)
+    measured = [r for r in results if r.engine == "fullshard"]
+    if measured:
+        peak = max(measured[0].peak_mib)
+        print(
+            f"\nfullshard memory model: {predicted:.0f} MiB added per rank predicted, "
+            f"{peak:.0f} MiB measured (max over ranks): {100 * (predicted - peak) / peak:+.1f}%"
+        )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "config": asdict(config),
+                    "args": {k: v for k, v in vars(args).items()},
+                    "params": params,
+                    "predicted_fullshard_peak_mib": _predicted_mib(config, args),
+                    "results": [{**asdict(r), "median_s": r.median_s} for r in results],
+                },
+                indent=1,
+            )
+        )
+    if args.plot:
+        _plot(results, args.plot, f"{config.name}: {args.world_size} ranks, {args.device}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

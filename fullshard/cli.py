@@ -1,0 +1,233 @@
+"""The ``fullshard`` command: ``train``, ``plan`` and ``bench``.
+
+``fullshard train`` validates its options in this process, then starts the ranks through
+torch's elastic launcher (``torch.distributed.run``, the agent behind ``torchrun``), each
+running `fullshard.train`. On one machine the rendezvous is bound to 127.0.0.1 on a free
+port (``--master-port`` picks one); ``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``,
+``--rdzv-backend``, ``--rdzv-id``, ``--master-addr`` and ``--max-restarts`` pass through to
+the launcher for multi-node jobs. ``plan`` imports no torch, so it answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+
+__all__ = ["main"]
+
+_USAGE = """\
+usage: fullshard <command> [options]
+
+commands:
+  train   train a byte-level GPT with fullshard's FSDP on local (or multi-node) ranks
+  plan    per-rank memory and traffic of a model on N devices (no GPUs needed)
+  bench   time one training step: local, DDP, torch FSDP1/FSDP2 and fullshard
+
+'fullshard <command> --help' describes a command's options.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_USAGE, end="")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "plan":
+        from .plan import main as plan_main
+
+        return plan_main(rest)
+    if command == "bench":
+        from .bench import main as bench_main
+
+        return bench_main(rest)
+    if command == "train":
+        return _train(rest)
+    print(f"fullshard: unknown command {command!r}\n\n{_USAGE}", end="", file=sys.stderr)
+    return 2
+
+
+# -- train ----------------------------------------------------------------------------------
+
+
+def _launcher_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False)
+    group = parser.add_argument_group("launcher (torch.distributed.run)")
+    group.add_argument(
+        "--nproc-per-node",
+        "--ranks",
+        dest="nproc_per_node",
+        type=int,
+        default=2,
+        help="ranks on this machine (default 2)",
+    )
+    group.add_argument("--nnodes", default="1", help="machines, or MIN:MAX (default 1)")
+    group.add_argument("--node-rank", type=int, default=None, help="this machine's index")
+    group.add_argument("--rdzv-backend", default=None, help="default: c10d")
+    group.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        help="HOST:PORT of the rendezvous (multi-node); default 127.0.0.1:<free port>",
+    )
+    group.add_argument("--rdzv-id", default=None, help="job id shared by every machine")
+    group.add_argument(
+        "--master-addr", default=None, help="static rendezvous host (with --node-rank)"
+    )
+    group.add_argument("--master-port", type=int, default=None, help="rendezvous port")
+    group.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart the ranks this many times after a failure; restarts resume from the "
+        "last checkpoint",
+    )
+    return parser
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as error:
+            if error.errno in (errno.EADDRINUSE, errno.EACCES):
+                return False
+            raise
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _launcher_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    """torch.distributed.run's options for these launcher arguments."""
+    if args.nproc_per_node <= 0:
+        parser.error(f"--nproc-per-node must be positive, got {args.nproc_per_node}")
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    argv = [
+        f"--nproc-per-node={args.nproc_per_node}",
+        f"--nnodes={args.nnodes}",
+        f"--max-restarts={args.max_restarts}",
+        "--monitor-interval=0.5",
+    ]
+    multi_node = args.nnodes != "1" or args.rdzv_endpoint or args.master_addr
+    if args.node_rank is not None:
+        argv.append(f"--node-rank={args.node_rank}")
+    if args.master_addr is not None:
+        argv.append(f"--master-addr={args.master_addr}")
+    if multi_node:
+        if args.rdzv_endpoint:
+            argv.append(f"--rdzv-endpoint={args.rdzv_endpoint}")
+        if args.master_port is not None:
+            argv.append(f"--master-port={args.master_port}")
+        if args.rdzv_backend:
+            argv.append(f"--rdzv-backend={args.rdzv_backend}")
+        if args.rdzv_id:
+            argv.append(f"--rdzv-id={args.rdzv_id}")
+        return argv
+    # One machine: a c10d rendezvous on loopback, never reachable from the network.
+    port = args.master_port
+    if port is None:
+        port = _free_port()
+    elif not 0 < port < 65536:
+        parser.error(f"--master-port must be in 1..65535, got {port}")
+    elif not _port_free("127.0.0.1", port):
+        parser.error(
+            f"--master-port {port} is in use on 127.0.0.1 (another job?); pass another port, "
+            "or leave --master-port out to pick a free one"
+        )
+    argv += [
+        f"--rdzv-backend={args.rdzv_backend or 'c10d'}",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={args.rdzv_id or uuid.uuid4().hex[:12]}",
+    ]
+    return argv
+
+
+def _check_checkpoint(config: object, parser: argparse.ArgumentParser) -> None:
+    """Refuse, before any rank starts, to overwrite or resume a checkpoint of another run."""
+    from . import checkpoint
+    from .train import TrainConfig, checkpoint_path
+
+    assert isinstance(config, TrainConfig)
+    path = checkpoint_path(config)
+    if not (path.exists() or path.with_name(f".{path.name}.previous").exists()):
+        return
+    if not (config.resume or config.overwrite):
+        parser.error(
+            f"{path} already holds a checkpoint; pass --resume to continue that run, "
+            "--overwrite to start afresh, or another --out"
+        )
+    if config.resume:
+        try:
+            saved = checkpoint.read_metadata(path)["extra"].get("run")
+        except ValueError as error:
+            parser.error(f"--resume: {error}")
+        if saved != config.run_identity():
+            parser.error(
+                f"--resume: the checkpoint in {path} is from another model or run ({saved}); "
+                f"this run is {config.run_identity()}: use the same --preset, --seq-len and "
+                "--seed, or another --out"
+            )
+
+
+def _train(argv: list[str]) -> int:
+    from dataclasses import replace
+
+    from .train import add_arguments, config_from_args
+
+    launcher = _launcher_parser()
+    parser = argparse.ArgumentParser(
+        prog="fullshard train",
+        parents=[launcher],
+        description="Train a byte-level GPT with fullshard's FSDP; rank 0 shows progress, "
+        "writes report.json and report.png into --out, and checkpoints there.",
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    config = config_from_args(args, parser)
+    if config.out is None:
+        config = replace(config, out=time.strftime("runs/%Y%m%d-%H%M%S"))
+    _check_checkpoint(config, parser)
+    launch_args, worker_argv = launcher.parse_known_args(argv)
+    worker_argv = [*worker_argv, "--out", str(config.out)]  # the last --out wins
+    launch = [*_launcher_argv(launch_args, parser), "-m", "fullshard.train", *worker_argv]
+    return _launch(launch, Path(str(config.out)))
+
+
+def _launch(launch: list[str], out: Path) -> int:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one compute thread per rank, no warning
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(launch))
+    except SignalException as stop:
+        print(
+            f"\nfullshard train: stopped by {stop.sigval.name}; every rank was stopped. The last "
+            f"complete checkpoint in {out}/checkpoint is intact: continue with the same "
+            "command plus --resume",
+            file=sys.stderr,
+        )
+        return 128 + int(stop.sigval)
+    except ChildFailedError as failure:
+        print(f"\nfullshard train: a rank failed:\n{failure.format_msg()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(
+            f"\nfullshard train: interrupted; the last complete checkpoint in {out}/checkpoint "
+            "is intact: continue with --resume",
+            file=sys.stderr,
+        )
+        return 130
+    return 0

@@ -1,0 +1,306 @@
+"""The ``fullshard`` command: ``plan``, ``train`` and ``bench``, run as a user would (through
+subprocesses, ``python -m fullshard``), with short runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fullshard.plan import PRESETS, make_plan, shape_from_hf_config
+
+REPO = Path(__file__).resolve().parents[1]
+FULLSHARD = [sys.executable, "-m", "fullshard"]
+# A tiny model and short runs: every launch costs a few seconds of start-up.
+TINY = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--sample-bytes", "16"]
+
+
+def _run(
+    args: list[str], timeout: float = 300, **kwargs: object
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*FULLSHARD, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, **kwargs
+    )  # type: ignore[call-overload]
+
+
+# -- plan -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", ["comm", "compute"])
+def test_plan_matches_the_benchmarks_measured_peak(config: str) -> None:
+    """The plan of each benchmark configuration is within 15% of the per-rank peak the
+    benchmark measured (docs/bench-<config>.json, written by ``fullshard bench``), and is the
+    prediction the benchmark itself prints."""
+    from fullshard.bench import CONFIGS, bench_shape
+    from fullshard.examples.gpt import GPT, num_params
+
+    record = json.loads((REPO / "docs" / f"bench-{config}.json").read_text())
+    measured = max(next(r for r in record["results"] if r["engine"] == "fullshard")["peak_mib"])
+    bench = CONFIGS[config]
+    shape = PRESETS[f"bench-{config}"]
+    assert shape == bench_shape(bench)
+    assert shape.params == num_params(GPT(bench.gpt())) == record["params"]
+    plan = make_plan(shape, record["args"]["world_size"], batch=bench.batch)
+    predicted = plan.memory.peak_added / 2**20
+    assert abs(predicted - measured) / measured <= 0.15, (predicted, measured)
+    assert predicted == pytest.approx(record["predicted_fullshard_peak_mib"], rel=0.02)
+
+
+def test_plan_presets_count_the_parameters_of_the_models_they_name(tmp_path: Path) -> None:
+    """Parameter counts: the GPT presets against the model itself; published shapes
+    against their published counts; Hugging Face configs (Llama, GPT-2) alike."""
+    from fullshard.examples.gpt import GPT, GPTConfig, num_params
+
+    for name in ("tiny", "small", "medium", "100m"):
+        shape = PRESETS[name]
+        gpt = GPT(
+            GPTConfig(
+                seq_len=shape.seq_len,
+                d_model=shape.d_model,
+                n_heads=shape.n_heads,
+                n_layers=shape.n_layers,
+            )
+        )
+        assert shape.params == num_params(gpt), name
+    assert PRESETS["llama2-7b"].params == 6_738_415_616
+    assert PRESETS["llama2-70b"].params == 68_976_648_192
+    llama = tmp_path / "llama.json"
+    llama.write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "vocab_size": 32000, "hidden_act": "silu", "tie_word_embeddings": False,
+        "max_position_embeddings": 4096,
+    }))  # fmt: skip
+    assert shape_from_hf_config(llama).params == 6_738_415_616
+    gpt2 = tmp_path / "gpt2.json"
+    gpt2.write_text(json.dumps({
+        "model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257,
+        "n_positions": 1024, "activation_function": "gelu_new",
+    }))  # fmt: skip
+    assert shape_from_hf_config(gpt2).params == 124_439_808  # GPT-2 small
+
+
+def test_plan_answers_70b_on_512_gpus_without_torch(tmp_path: Path) -> None:
+    """A 70B model on 512 GPUs: a table, a verdict, JSON and a chart, and torch is never
+    imported (that is what makes it instant)."""
+    code = (
+        "import sys\n"
+        "from fullshard.cli import main\n"
+        "status = main(sys.argv[1:])\n"
+        "assert 'torch' not in sys.modules, 'plan imported torch'\n"
+        "sys.exit(status)\n"
+    )
+    args = [
+        "plan", "--preset", "llama2-70b", "--world-size", "512", "--strategy", "HYBRID_SHARD",
+        "--shard-group-size", "8", "--mixed-precision", "bf16", "--activation-checkpointing",
+        "--device-memory", "80GiB", "--json", str(tmp_path / "plan.json"),
+    ]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert result.returncode == 0, result.stderr
+    # Sharding fp32 Adam state over one node's 8 GPUs leaves 16 * 69e9 / 8 bytes per GPU.
+    assert "69B parameters" in result.stdout and "does NOT fit in 80.00 GiB" in result.stdout
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    # Sharded over the 8 ranks of a node: params, grads and Adam's 2 states, fp32.
+    shard = -(-PRESETS["llama2-70b"].unit_numel // 8) * 80 + -(
+        -PRESETS["llama2-70b"].root_numel // 8
+    )
+    assert plan["memory"]["params"] == plan["memory"]["grads"] == 4 * shard
+    assert plan["memory"]["optimizer"] == 8 * shard
+    full_shard = [*args[:6], "FULL_SHARD", *args[9:]]
+    result = subprocess.run(
+        [sys.executable, "-c", code, *full_shard], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert "\nfits in 80.00 GiB" in result.stdout
+
+    plotted = _run(["plan", "--params", "70e9", "--layers", "80", "--d-model", "8192",
+                    "--world-size", "64", "--plot", str(tmp_path / "plan.png")])  # fmt: skip
+    assert plotted.returncode == 0, plotted.stderr
+    assert (tmp_path / "plan.png").stat().st_size > 10_000
+
+
+def test_plan_needs_one_model_and_says_which_flags() -> None:
+    """No model, two models, or --params without its shape: an argparse error naming flags."""
+    for args, message in [
+        ([], "give exactly one of --preset, --hf-config, --params"),
+        (["--preset", "tiny", "--params", "1e9"], "give exactly one of"),
+        (["--params", "1e9"], "--params needs --layers and --d-model"),
+        (["--preset", "tiny", "--device-memory", "lots"], "not a size: 'lots'"),
+        (["--preset", "tiny", "--strategy", "HYBRID_SHARD", "--world-size", "6",
+          "--shard-group-size", "4"], "must be a multiple of --shard-group-size"),
+        (["--hf-config", "/nonexistent/config.json"], "no such file"),
+    ]:  # fmt: skip
+        result = _run(["plan", *args], timeout=60)
+        assert result.returncode != 0
+        assert message in result.stderr, (args, result.stderr)
+
+
+# -- train ----------------------------------------------------------------------------------
+
+
+def test_train_runs_and_writes_report_checkpoint_and_sample(tmp_path: Path) -> None:
+    """A short ``fullshard train`` on 2 CPU ranks: progress, a falling loss, report.json with
+    one loss and per-rank memory per step, report.png, a checkpoint, a generated sample."""
+    out = tmp_path / "run"
+    result = _run(["train", *TINY, "--steps", "12", "--checkpoint-every", "6", "--out", str(out)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "fullshard train tiny" in result.stderr  # the progress bar
+    report = json.loads((out / "report.json").read_text())
+    assert report["world_size"] == 2 and len(report["losses"]) == 12
+    assert len(report["peak_memory_mib"]) == 12 and len(report["peak_memory_mib"][0]) == 2
+    assert report["final_loss"] < report["first_loss"]
+    assert len(report["sample"]) >= 16 and report["sample"].startswith("The ")
+    assert (out / "report.png").stat().st_size > 10_000
+    assert json.loads((out / "checkpoint" / "fullshard.json").read_text())["extra"]["step"] == 12
+
+
+def _wait_for_checkpoint(
+    out: Path, step: int, process: subprocess.Popen[str], timeout: float
+) -> None:
+    metadata = out / "checkpoint" / "fullshard.json"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metadata.exists():
+            try:
+                if json.loads(metadata.read_text())["extra"]["step"] >= step:
+                    return
+            except (json.JSONDecodeError, KeyError):
+                pass
+        if process.poll() is not None:
+            raise AssertionError(f"the run ended early: {process.communicate()}")
+        time.sleep(0.2)
+    raise AssertionError(f"no checkpoint of step {step} within {timeout} s")
+
+
+def _ranks_alive(out: Path) -> list[str]:
+    """Processes whose command line names this run's folder (the launcher and its ranks)."""
+    found = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
+    return found.stdout.split()
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_stopped_run_resumes_to_the_uninterrupted_loss_curve(
+    stop: signal.Signals, tmp_path: Path
+) -> None:
+    """Stop the launcher mid-run (SIGTERM, or SIGINT as Ctrl-C sends): every rank ends, the
+    last complete checkpoint stays intact, and rerunning with --resume continues from its
+    step; the loss curve equals an uninterrupted run's (same seed) within 1e-5 relative."""
+    steps = ["--steps", "24", "--checkpoint-every", "4", "--warmup-steps", "4"]
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    uninterrupted = _run(["train", *TINY, *steps, "--out", str(whole)])
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    expected = json.loads((whole / "report.json").read_text())["losses"]
+
+    first = subprocess.Popen(
+        [*FULLSHARD, "train", *TINY, *steps, "--out", str(broken)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    _wait_for_checkpoint(broken, 8, first, timeout=120)
+    first.send_signal(stop)
+    _, stderr = first.communicate(timeout=60)
+    assert first.returncode == 128 + stop, stderr[-3000:]
+    assert "--resume" in stderr
+    assert _ranks_alive(broken) == []
+    saved_step = json.loads((broken / "checkpoint" / "fullshard.json").read_text())["extra"]["step"]
+    assert 8 <= saved_step < 24 and not (broken / "report.json").exists()
+
+    resumed = _run(["train", *TINY, *steps, "--out", str(broken), "--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {broken / 'checkpoint'} at step {saved_step}" in resumed.stdout
+    report = json.loads((broken / "report.json").read_text())
+    assert report["resumed_at"] == [saved_step]
+    assert len(report["losses"]) == len(expected) == 24
+    for got, want in zip(report["losses"], expected):
+        assert abs(got - want) <= 1e-5 * abs(want), (report["losses"], expected)
+
+
+def test_train_mistakes_get_clear_messages_before_any_rank_starts(tmp_path: Path) -> None:
+    """Bad flags, a missing corpus, a port in use, a checkpoint left in --out, and resuming
+    a checkpoint of another model: exit status 2 and a message that names the fix."""
+    made = tmp_path / "made"
+    first = _run(["train", *TINY, "--steps", "2", "--checkpoint-every", "2", "--out", str(made)])
+    assert first.returncode == 0, first.stderr[-3000:]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cases = [
+            (["--steps", "0"], "--steps must be positive, got 0"),
+            (["--strategy", "ZERO9"], "invalid choice: 'ZERO9'"),
+            (["--data", str(tmp_path / "missing.txt")], "missing.txt: no such file or folder"),
+            (["--master-port", str(port)], f"--master-port {port} is in use on 127.0.0.1"),
+            (["--out", str(made)], "already holds a checkpoint; pass --resume"),
+            (["--out", str(made), "--resume", "--preset", "small"], "from another model or run"),
+            (["--resume", "--overwrite"], "--resume and --overwrite contradict each other"),
+        ]
+        for args, message in cases:
+            result = _run(["train", *TINY, *args], timeout=120)
+            assert result.returncode == 2, (args, result.stderr[-2000:])
+            assert message in result.stderr, (args, result.stderr[-2000:])
+
+
+def test_train_reads_a_folder_of_text_and_rejects_a_corpus_too_small(tmp_path: Path) -> None:
+    """--data takes a folder (every file under it); a corpus with no room for a held-out
+    sequence fails with the sizes and the fix."""
+    corpus = tmp_path / "texts"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 80)
+    (corpus / "sub" / "b.md").write_text("pack my box with five dozen liquor jugs. " * 80)
+    ok = _run(["train", *TINY, "--steps", "3", "--checkpoint-every", "0", "--data", str(corpus),
+               "--out", str(tmp_path / "ok")])  # fmt: skip
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    total = 45 * 80 + 1 + 41 * 80  # both files, joined by a newline
+    assert f"{int(total * 0.95):,} training bytes" in ok.stdout
+    small = tmp_path / "small.txt"
+    small.write_text("too short")
+    failed = _run(
+        ["train", *TINY, "--steps", "3", "--data", str(small), "--out", str(tmp_path / "x")]
+    )
+    assert failed.returncode != 0
+    assert "too small for sequences of 32 bytes" in failed.stdout + failed.stderr
+
+
+# -- bench and the command itself -----------------------------------------------------------
+
+
+def test_bench_prints_table_and_writes_json(tmp_path: Path) -> None:
+    """``fullshard bench`` on the tiny config, two engines, one round: the table lists both,
+    fullshard's loss equals DDP's, the JSON holds them and the memory model's prediction."""
+    out = tmp_path / "bench.json"
+    result = _run(["bench", "--config", "tiny", "--engines", "ddp,fullshard", "--rounds", "1",
+                   "--steps", "2", "--json", str(out)])  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert [row.split("|")[1].strip() for row in rows[1:]] == ["ddp", "fullshard"]
+    assert "WARNING" not in result.stdout  # fullshard's loss equals DDP's
+    data = json.loads(out.read_text())
+    engines = {entry["engine"]: entry for entry in data["results"]}
+    assert engines["fullshard"]["loss"] == engines["ddp"]["loss"]
+    assert data["predicted_fullshard_peak_mib"] > 0
+
+
+def test_command_help_and_unknown_commands() -> None:
+    """``fullshard --help`` lists the commands; an unknown one is an error that lists them;
+    the console script is installed beside the interpreter."""
+    listed = _run(["--help"], timeout=60)
+    assert listed.returncode == 0 and all(c in listed.stdout for c in ("train", "plan", "bench"))
+    unknown = _run(["trian"], timeout=60)
+    assert unknown.returncode == 2 and "unknown command 'trian'" in unknown.stderr
+    script = Path(sys.executable).parent / "fullshard"
+    assert script.exists(), "pip install -e . installs the `fullshard` console script"
+    env = dict(os.environ)
+    helped = subprocess.run(
+        [str(script), "train", "--help"], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert (
+        helped.returncode == 0 and "--max-restarts" in helped.stdout and "--resume" in helped.stdout
+    )
