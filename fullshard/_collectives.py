@@ -18,7 +18,7 @@ Reduce-scatter, worked example with 2 ranks and a 4-element input::
 from __future__ import annotations
 
 import os
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Union
@@ -34,14 +34,18 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+_KEPT_LABELS = 100_000
+
+
 @dataclass
 class CollectiveCounters:
     """Calls and bytes sent per rank, by collective kind, since the last ``reset``."""
 
     calls: Counter[str] = field(default_factory=Counter)
     bytes_sent: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
-    labels: list[tuple[str, str]] = field(default_factory=list)
-    """``(kind, label)`` per call in issue order, e.g. ``("all_gather", "layers.3")``."""
+    labels: deque[tuple[str, str]] = field(default_factory=lambda: deque(maxlen=_KEPT_LABELS))
+    """``(kind, label)`` per call in issue order, e.g. ``("all_gather", "layers.3")``: the
+    last ``_KEPT_LABELS`` calls, so a long run does not grow it without bound."""
 
     def record(self, kind: str, label: str, num_bytes: float) -> None:
         self.calls[kind] += 1

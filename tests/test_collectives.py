@@ -64,3 +64,17 @@ def _overlapping_rings() -> None:
 def test_rings_in_flight_together_do_not_mix() -> None:
     """Concurrent rings, waited in the other order, each get their own data."""
     run_on_ranks(2, _overlapping_rings)
+
+
+def test_counters_keep_a_bounded_history_of_labels() -> None:
+    """Counts and bytes keep adding up forever; the per-call label history keeps only the
+    most recent calls, so a long training run does not grow it without bound."""
+    from fullshard._collectives import _KEPT_LABELS, CollectiveCounters
+
+    counters = CollectiveCounters()
+    for call in range(_KEPT_LABELS + 5):
+        counters.record("all_gather", f"unit{call}", 8)
+    assert counters.calls["all_gather"] == _KEPT_LABELS + 5
+    assert counters.total_bytes == 8 * (_KEPT_LABELS + 5)
+    assert len(counters.labels) == _KEPT_LABELS
+    assert counters.labels[0] == ("all_gather", "unit5")
