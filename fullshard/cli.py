@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _launcher_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(add_help=False)
+    # No abbreviations: this parser splits the launcher's flags from the ranks' own, and
+    # both must read a flag the same way.
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     group = parser.add_argument_group("launcher (torch.distributed.run)")
     group.add_argument(
         "--nproc-per-node",
@@ -189,6 +191,7 @@ def _train(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="fullshard train",
         parents=[launcher],
+        allow_abbrev=False,
         description="Train a byte-level GPT with fullshard's FSDP; rank 0 shows progress, "
         "writes report.json and report.png into --out, and checkpoints there.",
     )
