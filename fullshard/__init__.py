@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from . import wrap
+    from ._collectives import CollectiveError
     from .api import (
         BackwardPrefetch,
         CPUOffload,
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 
 _HOMES = {
     "BackwardPrefetch": "api",
+    "CollectiveError": "_collectives",
     "CPUOffload": "api",
     "FullOptimStateDictConfig": "api",
     "FullStateDictConfig": "api",
@@ -60,6 +62,7 @@ _HOMES = {
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
+    "CollectiveError",
     "FlatParameter",
     "FullOptimStateDictConfig",
     "FullStateDictConfig",

@@ -21,7 +21,7 @@ import os
 from collections import Counter, defaultdict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Union
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -65,9 +65,104 @@ class CollectiveCounters:
 COUNTERS = CollectiveCounters()
 
 
-Work = Union[dist.Work, "RingWork"]
-"""What the functions here return: a c10d work handle or a ring in flight (see
-[Note: rings on gloo]); either is finished by ``wait()``."""
+# [Note: bounded collectives]
+# Every collective here returns a `Pending`, whose `wait()` ends within a bound: the process
+# group's own timeout (``init_process_group(timeout=...)``; torch's default is 30 minutes
+# for gloo, 10 for NCCL), or ``FULLSHARD_COLLECTIVE_TIMEOUT`` seconds where set. When it
+# cannot complete, because a peer died (gloo sees the closed connection at once) or stopped
+# participating (the bound runs out), every rank still waiting raises `CollectiveError`
+# naming the operation, the unit and the peers, e.g. "all-gather of module blocks.3 on rank 0
+# did not complete within 60 s: rank 1 is not responding". The process group is unusable afterwards: the
+# error is meant to end the process (a launcher such as torchrun restarts the job).
+
+
+class CollectiveError(RuntimeError):
+    """A collective of fullshard's did not complete: a peer died or did not take part."""
+
+
+_NAMES = {
+    "all_gather": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "all_reduce": "all-reduce",
+    "gather": "gather",
+}
+
+
+def collective_timeout() -> timedelta | None:
+    """``FULLSHARD_COLLECTIVE_TIMEOUT`` (seconds) as a bound on each wait, or None for the
+    process group's own timeout."""
+    value = os.environ.get("FULLSHARD_COLLECTIVE_TIMEOUT")
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(
+            f"FULLSHARD_COLLECTIVE_TIMEOUT={value!r} is not a number of seconds"
+        ) from None
+    if seconds <= 0:
+        raise ValueError(f"FULLSHARD_COLLECTIVE_TIMEOUT must be positive, got {value}")
+    return timedelta(seconds=seconds)
+
+
+class Pending:
+    """A collective in flight. ``wait()`` finishes it (for a ring, runs its remaining steps)
+    or raises `CollectiveError` (see [Note: bounded collectives])."""
+
+    def __init__(
+        self,
+        kind: str,
+        label: str,
+        group: dist.ProcessGroup,
+        steps: Iterator[list[dist.Work]],
+        waits_on: list[int] | None = None,
+    ) -> None:
+        self.kind, self.label, self.group = kind, label, group
+        self._waits_on = waits_on
+        """Global ranks this rank receives from, where known (rings); else the group."""
+        self._steps = steps
+        self._pending: list[dist.Work] | None = self._next()
+
+    def _next(self) -> list[dist.Work] | None:
+        try:
+            return next(self._steps, None)
+        except RuntimeError as error:
+            raise self._error(error, None) from error
+
+    def wait(self) -> bool:
+        timeout = collective_timeout()
+        while self._pending is not None:
+            for work in self._pending:
+                try:
+                    work.wait() if timeout is None else work.wait(timeout)
+                except RuntimeError as error:
+                    raise self._error(error, timeout) from error
+            self._pending = self._next()
+        return True
+
+    def _peers(self) -> str:
+        ranks = self._waits_on
+        if ranks is None:
+            me = dist.get_rank()
+            ranks = [r for r in dist.get_process_group_ranks(self.group) if r != me]
+        names = ", ".join(str(r) for r in ranks)
+        return f"rank {names} is" if len(ranks) == 1 else f"one of ranks {names} is"
+
+    def _error(self, error: Exception, timeout: timedelta | None) -> CollectiveError:
+        unit = "the root module" if self.label == "(root)" else f"module {self.label}"
+        what = f"{_NAMES.get(self.kind, self.kind)} of {unit}"
+        text = str(error)
+        if "Timed out" in text or "timed out" in text or "Timeout" in text:
+            bound = f"{timeout.total_seconds():g} s" if timeout else "the process group's timeout"
+            reason = f"did not complete within {bound}: {self._peers()} not responding"
+        elif "closed" in text or "reset" in text or "Broken pipe" in text:
+            reason = f"failed: {self._peers()} gone (its process died or exited)"
+        else:
+            reason = "failed"
+        return CollectiveError(
+            f"fullshard: {what} on rank {dist.get_rank()} {reason}. Check that rank's log; "
+            f"the job cannot continue. (Underlying error: {text.strip()})"
+        )
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> int:
@@ -76,21 +171,26 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
 
 def all_gather_into(
     output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, label: str
-) -> Work:
+) -> Pending:
     """All-gather equal ``shard`` s from every rank of ``group`` into ``output`` (rank order)."""
     num_ranks = dist.get_world_size(group)
     COUNTERS.record("all_gather", label, _tensor_bytes(output) * (num_ranks - 1) / num_ranks)
     with record_function(f"fullshard::all_gather({label})"):
         if _uses_ring(group, output):
-            return RingWork(_ring_all_gather(output, shard, group, _next_tag(group)))
+            steps = _ring_all_gather(output, shard, group, _next_tag(group))
+            return Pending("all_gather", label, group, steps, [_neighbours(group)[3]])
         work = _all_gather_single(output, shard, group=group, async_op=True)
+    return _issued("all_gather", label, group, work)
+
+
+def _issued(kind: str, label: str, group: dist.ProcessGroup, work: dist.Work | None) -> Pending:
     assert work is not None
-    return work
+    return Pending(kind, label, group, iter([[work]]))
 
 
 def gather_to_first_rank(
     outputs: list[torch.Tensor] | None, shard: torch.Tensor, group: dist.ProcessGroup, label: str
-) -> dist.Work:
+) -> Pending:
     """Gather equal ``shard`` s to the group's first rank, into ``outputs`` (one per rank, in
     rank order; None on the other ranks, which only send)."""
     first = dist.get_global_rank(group, 0)
@@ -98,32 +198,30 @@ def gather_to_first_rank(
     COUNTERS.record("gather", label, sent)
     with record_function(f"fullshard::gather({label})"):
         work = dist.gather(shard, outputs, dst=first, group=group, async_op=True)
-    assert work is not None
-    return work
+    return _issued("gather", label, group, work)
 
 
 def reduce_scatter_into(
     output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, label: str
-) -> Work:
+) -> Pending:
     """Sum ``full`` over ``group`` and leave this rank's equal slice of the sum in ``output``."""
     num_ranks = dist.get_world_size(group)
     COUNTERS.record("reduce_scatter", label, _tensor_bytes(full) * (num_ranks - 1) / num_ranks)
     with record_function(f"fullshard::reduce_scatter({label})"):
         if _uses_ring(group, full):
-            return RingWork(_ring_reduce_scatter(output, full, group, _next_tag(group)))
+            steps = _ring_reduce_scatter(output, full, group, _next_tag(group))
+            return Pending("reduce_scatter", label, group, steps, [_neighbours(group)[3]])
         work = _reduce_scatter_single(output, full, group=group, async_op=True)
-    assert work is not None
-    return work
+    return _issued("reduce_scatter", label, group, work)
 
 
-def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, label: str) -> dist.Work:
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, label: str) -> Pending:
     """Sum ``tensor`` in place over ``group``."""
     num_ranks = dist.get_world_size(group)
     COUNTERS.record("all_reduce", label, 2 * _tensor_bytes(tensor) * (num_ranks - 1) / num_ranks)
     with record_function(f"fullshard::all_reduce({label})"):
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    assert work is not None
-    return work
+    return _issued("all_reduce", label, group, work)
 
 
 # [Note: rings on gloo]
@@ -134,7 +232,7 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, label: str) -
 # reduce-scatter 0.084 s, 50 MB sent per rank. So on gloo groups fullshard runs its own rings
 # (N - 1 steps; each rank sends to the next and receives from the previous). The first step
 # is issued at once and runs in gloo's transport threads while the caller computes; `wait()`
-# runs the rest (none on 2 ranks). Every rank issues the same collectives in the same order,
+# runs the rest (none on 2 ranks): see `Pending`. Every rank issues the same collectives in the same order,
 # so a per-group counter gives each ring a tag that matches across ranks.
 # FULLSHARD_GLOO_RINGS=0 uses gloo's own collectives instead.
 #
@@ -161,21 +259,6 @@ def _uses_ring(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
         and dist.get_world_size(group) > 1
         and dist.get_backend(group) == dist.Backend.GLOO
     )
-
-
-class RingWork:
-    """A ring collective in flight, standing in for ``dist.Work``: ``wait()`` finishes it."""
-
-    def __init__(self, steps: Iterator[list[dist.Work]]) -> None:
-        self._steps = steps
-        self._pending: list[dist.Work] | None = next(steps)
-
-    def wait(self) -> bool:
-        while self._pending is not None:
-            for work in self._pending:
-                work.wait()
-            self._pending = next(self._steps, None)
-        return True
 
 
 def _neighbours(group: dist.ProcessGroup) -> tuple[int, int, int, int]:

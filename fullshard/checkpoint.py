@@ -39,9 +39,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
+from ._collectives import CollectiveError
 from .api import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 
@@ -117,6 +119,27 @@ def save(
     every rank sees)."""
     path = Path(path)
     values, tensors = _split_extra(extra)
+    try:
+        _save(path, model, optim, values, tensors)
+    except CollectiveError:
+        raise
+    except (RuntimeError, CheckpointException) as error:
+        if not dist.is_initialized():
+            raise
+        raise CollectiveError(
+            f"fullshard: checkpoint.save({str(path)!r}) failed on rank {_rank()}: another rank "
+            "died or stopped taking part while saving. The previous checkpoint there, if any, "
+            f"is intact. (Underlying error: {str(error).strip()[:2000]})"
+        ) from error
+
+
+def _save(
+    path: Path,
+    model: nn.Module,
+    optim: torch.optim.Optimizer | None,
+    values: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+) -> None:
     token = [uuid.uuid4().hex[:12]]
     if dist.is_initialized():
         dist.broadcast_object_list(token, src=0)

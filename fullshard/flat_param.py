@@ -104,7 +104,7 @@ class HandleState(enum.Enum):
 class _PendingReduction:
     """A gradient reduction in flight; holds its buffers alive until it completes."""
 
-    work: comm.Work
+    work: comm.Pending
     reduced_grad: torch.Tensor
     """Receives the result: this rank's shard (sharded) or the whole gradient (NO_SHARD)."""
     unsharded_grad: torch.Tensor
@@ -229,7 +229,7 @@ class FlatParamHandle:
         """The one unsharded (or last unsharded): what modules' views and gradients refer to."""
         self.flat_param._full_param_padded = self._compute.padded
         self.state = HandleState.SHARDED
-        self._unshard_work: comm.Work | None = None
+        self._unshard_work: comm.Pending | None = None
         self._unshard_input: torch.Tensor | None = None
         """The cast or copied shard an all-gather in flight reads from."""
         self._pending_reduction: _PendingReduction | None = None
@@ -618,7 +618,7 @@ class FlatParamHandle:
         if predivide > 1:
             grad = grad.div_(predivide)
         if not self.uses_sharded_strategy:
-            work: comm.Work = comm.all_reduce_sum(grad, self.groups.shard, self.label)
+            work: comm.Pending = comm.all_reduce_sum(grad, self.groups.shard, self.label)
             self._pending_reduction = _PendingReduction(work, grad, grad, postdivide)
             return
         padding = self.layout.padded_numel - self.layout.numel
