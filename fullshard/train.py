@@ -25,6 +25,7 @@ import re
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
+from datetime import timedelta
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -276,13 +277,35 @@ def lr_at(step: int, config: TrainConfig) -> float:
 
 def init_distributed(config: TrainConfig) -> torch.device:
     """Join the launcher's process group; returns this rank's compute device."""
+    backend = "nccl" if config.device == "cuda" else "gloo"
+    device = torch.device("cpu")
     if config.device == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl")
-        return torch.device("cuda", local_rank)
-    dist.init_process_group("gloo")
-    return torch.device("cpu")
+        device = torch.device("cuda", local_rank)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0:
+        dist.init_process_group(backend)
+        return device
+    # A restart after a failure reuses the launcher's store, where the failed attempt's
+    # process group left its keys (peers' addresses): with them, connecting can pick a
+    # dead rank's address ("connectFullMesh failed ... Connection refused"; torch 2.13).
+    # A prefix per attempt gives each attempt its own keys.
+    rank = int(os.environ["RANK"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=not agent_hosts_store and rank == 0,
+        timeout=timedelta(minutes=5),
+    )
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"fullshard/attempt_{attempt}", store),
+        rank=rank,
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
+    return device
 
 
 def hybrid_mesh(device: torch.device) -> DeviceMesh:

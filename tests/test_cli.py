@@ -304,3 +304,33 @@ def test_command_help_and_unknown_commands() -> None:
     assert (
         helped.returncode == 0 and "--max-restarts" in helped.stdout and "--resume" in helped.stdout
     )
+
+
+def test_launcher_restarts_a_failed_rank_and_resumes_exactly(tmp_path: Path) -> None:
+    """With --max-restarts 1, killing a rank (SIGKILL) mid-run makes the other rank fail at
+    its next collective and the launcher restart both; they resume from the last checkpoint,
+    and the run ends with the uninterrupted run's loss curve: no step lost or repeated."""
+    steps = ["--steps", "24", "--checkpoint-every", "4", "--warmup-steps", "4"]
+    whole, restarted = tmp_path / "whole", tmp_path / "restarted"
+    uninterrupted = _run(["train", *TINY, *steps, "--out", str(whole)])
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    expected = json.loads((whole / "report.json").read_text())["losses"]
+
+    run = subprocess.Popen(
+        [*FULLSHARD, "train", *TINY, *steps, "--max-restarts", "1", "--out", str(restarted)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    _wait_for_checkpoint(restarted, 8, run, timeout=120)
+    ranks = subprocess.run(
+        ["pgrep", "-f", rf"fullshard\.train .*{restarted}"], capture_output=True, text=True
+    ).stdout.split()
+    assert len(ranks) == 2, ranks
+    os.kill(int(ranks[-1]), signal.SIGKILL)
+    stdout, stderr = run.communicate(timeout=180)
+    assert run.returncode == 0, stderr[-3000:]
+    report = json.loads((restarted / "report.json").read_text())
+    assert len(report["resumed_at"]) == 1 and report["resumed_at"][0] >= 8
+    assert f"resumed from {restarted / 'checkpoint'} at step {report['resumed_at'][0]}" in stdout
+    assert len(report["losses"]) == 24
+    for got, want in zip(report["losses"], expected):
+        assert abs(got - want) <= 1e-5 * abs(want), (report["losses"], expected)
