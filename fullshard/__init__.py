@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from . import wrap
-    from ._collectives import CollectiveError
+    from ._collectives import CollectiveError, CollectiveMismatchError
     from .api import (
         BackwardPrefetch,
         CPUOffload,
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 _HOMES = {
     "BackwardPrefetch": "api",
     "CollectiveError": "_collectives",
+    "CollectiveMismatchError": "_collectives",
     "CPUOffload": "api",
     "FullOptimStateDictConfig": "api",
     "FullStateDictConfig": "api",
@@ -63,6 +64,7 @@ __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
     "CollectiveError",
+    "CollectiveMismatchError",
     "FlatParameter",
     "FullOptimStateDictConfig",
     "FullStateDictConfig",

@@ -18,10 +18,12 @@ Reduce-scatter, worked example with 2 ranks and a 4-element input::
 from __future__ import annotations
 
 import os
+import zlib
 from collections import Counter, defaultdict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -105,6 +107,61 @@ def collective_timeout() -> timedelta | None:
     return timedelta(seconds=seconds)
 
 
+class CollectiveMismatchError(RuntimeError):
+    """Ranks were about to run different collectives (``FULLSHARD_DEBUG=1``)."""
+
+
+# [Note: mismatch detection]
+# Every rank must issue the same collectives in the same order: a rank that skips an FSDP
+# unit (rank-dependent control flow), or that built another model, wrap policy, precision or
+# strategy, pairs its collectives with the wrong ones on the other ranks, which then hang or
+# silently mix tensors. With FULLSHARD_DEBUG=1 (or TORCH_DISTRIBUTED_DEBUG=DETAIL) each rank
+# first all-gathers a signature of the collective it is about to issue (kind, module,
+# element count, dtype) and compares: on any difference, every rank raises
+# `CollectiveMismatchError` listing what each rank was doing. Checks pair with checks, so a
+# rank that runs ahead is caught at its next collective. Cost: one small all-gather per
+# collective (measured in docs/reliability.md).
+
+_KINDS = ["all_gather", "reduce_scatter", "all_reduce", "gather"]
+
+
+def debug_checks_enabled() -> bool:
+    return (
+        os.environ.get("FULLSHARD_DEBUG", "0") not in ("", "0")
+        or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+    )
+
+
+def _check_agreement(kind: str, label: str, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Raise `CollectiveMismatchError` on every rank unless all are about to issue the same
+    collective (see [Note: mismatch detection])."""
+    dtype_code = zlib.crc32(str(tensor.dtype).encode())
+    signature = torch.tensor(
+        [_KINDS.index(kind), zlib.crc32(label.encode()), tensor.numel(), dtype_code],
+        dtype=torch.int64,
+        device=tensor.device,
+    )
+    gathered = [torch.empty_like(signature) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, signature, group=group)
+    if all(torch.equal(other, signature) for other in gathered):
+        return
+    mine = f"{_describe(kind, label)} of {tensor.numel()} x {tensor.dtype}"
+    everyone: list[Any] = [None] * len(gathered)
+    dist.all_gather_object(everyone, f"rank {dist.get_rank()}: {mine}", group=group)
+    lines = "\n".join(f"  {line}" for line in everyone)
+    raise CollectiveMismatchError(
+        "fullshard (FULLSHARD_DEBUG): the ranks were about to run different collectives:\n"
+        f"{lines}\nEvery rank must run the same FSDP units in the same order, with the same "
+        "model, wrap policy, sharding strategy and precision: look for rank-dependent control "
+        "flow around these modules, or configuration that differs between ranks."
+    )
+
+
+def _describe(kind: str, label: str) -> str:
+    unit = "the root module" if label == "(root)" else f"module {label}"
+    return f"{_NAMES.get(kind, kind)} of {unit}"
+
+
 class Pending:
     """A collective in flight. ``wait()`` finishes it (for a ring, runs its remaining steps)
     or raises `CollectiveError` (see [Note: bounded collectives])."""
@@ -149,8 +206,7 @@ class Pending:
         return f"rank {names} is" if len(ranks) == 1 else f"one of ranks {names} is"
 
     def _error(self, error: Exception, timeout: timedelta | None) -> CollectiveError:
-        unit = "the root module" if self.label == "(root)" else f"module {self.label}"
-        what = f"{_NAMES.get(self.kind, self.kind)} of {unit}"
+        what = _describe(self.kind, self.label)
         text = str(error)
         if "Timed out" in text or "timed out" in text or "Timeout" in text:
             bound = f"{timeout.total_seconds():g} s" if timeout else "the process group's timeout"
@@ -174,6 +230,8 @@ def all_gather_into(
 ) -> Pending:
     """All-gather equal ``shard`` s from every rank of ``group`` into ``output`` (rank order)."""
     num_ranks = dist.get_world_size(group)
+    if debug_checks_enabled():
+        _check_agreement("all_gather", label, output, group)
     COUNTERS.record("all_gather", label, _tensor_bytes(output) * (num_ranks - 1) / num_ranks)
     with record_function(f"fullshard::all_gather({label})"):
         if _uses_ring(group, output):
@@ -194,6 +252,8 @@ def gather_to_first_rank(
     """Gather equal ``shard`` s to the group's first rank, into ``outputs`` (one per rank, in
     rank order; None on the other ranks, which only send)."""
     first = dist.get_global_rank(group, 0)
+    if debug_checks_enabled():
+        _check_agreement("gather", label, shard, group)
     sent = 0 if dist.get_rank(group) == 0 else _tensor_bytes(shard)
     COUNTERS.record("gather", label, sent)
     with record_function(f"fullshard::gather({label})"):
@@ -206,6 +266,8 @@ def reduce_scatter_into(
 ) -> Pending:
     """Sum ``full`` over ``group`` and leave this rank's equal slice of the sum in ``output``."""
     num_ranks = dist.get_world_size(group)
+    if debug_checks_enabled():
+        _check_agreement("reduce_scatter", label, full, group)
     COUNTERS.record("reduce_scatter", label, _tensor_bytes(full) * (num_ranks - 1) / num_ranks)
     with record_function(f"fullshard::reduce_scatter({label})"):
         if _uses_ring(group, full):
@@ -218,6 +280,8 @@ def reduce_scatter_into(
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, label: str) -> Pending:
     """Sum ``tensor`` in place over ``group``."""
     num_ranks = dist.get_world_size(group)
+    if debug_checks_enabled():
+        _check_agreement("all_reduce", label, tensor, group)
     COUNTERS.record("all_reduce", label, 2 * _tensor_bytes(tensor) * (num_ranks - 1) / num_ranks)
     with record_function(f"fullshard::all_reduce({label})"):
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)

@@ -20,7 +20,10 @@ crash at any point leaves a complete checkpoint: ``path`` itself, or between the
 the next successful save.
 
 Loading runs no pickled code: tensors and DCP's non-tensor items are read with
-``torch.load(weights_only=True)`` (DCP's default planner would unpickle arbitrary objects).
+``torch.load(weights_only=True)`` (DCP's default planner would unpickle arbitrary objects),
+and DCP's ``.metadata`` file, a pickle, through an unpickler that only builds DCP's metadata
+classes, ``torch.Size``, dtypes and paths. Every data file the metadata names must lie
+inside the checkpoint folder.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import shutil
 import uuid
 import warnings
@@ -38,9 +42,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ._collectives import CollectiveError
@@ -224,6 +230,67 @@ def _commit(partial: Path, path: Path) -> None:
 # -- loading -----------------------------------------------------------------------------------
 
 
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "ChunkStorageMetadata",
+        "MetadataIndex",
+        "BytesStorageMetadata",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+"""What DCP's metadata pickle may name (what torch 2.4-2.13 write), besides torch dtypes."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata refers to {module}.{name}, which a DCP checkpoint's metadata "
+            "never holds; refusing to load it (it could run code)"
+        )
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader, with the metadata unpickled safely and its data files checked to
+    lie inside the checkpoint folder."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        folder = Path(self.path)
+        with open(folder / ".metadata", "rb") as handle:
+            try:
+                metadata = _MetadataUnpickler(handle).load()
+            except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as error:
+                raise ValueError(
+                    f"checkpoint {folder}: unreadable DCP metadata: {error}"
+                ) from error
+        if not isinstance(metadata, Metadata):
+            raise ValueError(f"checkpoint {folder}: .metadata holds {type(metadata).__name__}")
+        root = folder.resolve()
+        for info in (metadata.storage_data or {}).values():
+            relative = getattr(info, "relative_path", None)
+            if relative is None or not (root / relative).resolve().is_relative_to(root):
+                raise ValueError(
+                    f"checkpoint {folder}: its metadata points at {relative!r}, outside the "
+                    "checkpoint folder; refusing to read it"
+                )
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
+        return metadata
+
+
 class _SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default planner, but non-tensor items are unpickled with ``weights_only=True``."""
 
@@ -365,7 +432,7 @@ def load(
         }
         if extra_tensors:
             state["extra"] = extra_tensors
-        dcp.load(state, checkpoint_id=folder, planner=_SafeLoadPlanner())
+        dcp.load(state, storage_reader=_SafeReader(folder), planner=_SafeLoadPlanner())
         model.load_state_dict(state["model"])
         if optim is not None:
             loadable = FullyShardedDataParallel.optim_state_dict_to_load(

@@ -9,7 +9,9 @@ rows: divisible by 2, 3 and 4), so the global loss is the same computation at an
 from __future__ import annotations
 
 import ctypes
+import io
 import os
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -288,6 +290,41 @@ def _load_refuses_pickled_code(path: str) -> None:
 def test_loading_runs_no_pickled_code(tmp_path: Path) -> None:
     """Non-tensor items are read with weights_only=True: a planted object is refused."""
     run_on_ranks(1, _load_refuses_pickled_code, str(tmp_path / "evil"))
+
+
+def _load_expecting(path: str, message: str) -> None:
+    model = _model(ShardingStrategy.FULL_SHARD, False, seed=1)
+    # DCP wraps a rank's error in a CheckpointException (a BaseException).
+    with pytest.raises(BaseException, match=message):
+        ckpt.load(path, model, _adam(model))
+
+
+def test_tampered_metadata_is_refused(tmp_path: Path) -> None:
+    """DCP's .metadata is a pickle: one that would run code is refused without running it,
+    and one that points a data file outside the checkpoint folder is refused too."""
+    path = tmp_path / "ckpt"
+    run_on_ranks(2, _save_twice, str(path))
+    metadata_file = path / ".metadata"
+    good = metadata_file.read_bytes()
+
+    metadata_file.write_bytes(pickle.dumps(_Payload(str(tmp_path / "m"))))
+    run_on_ranks(2, _load_expecting, str(path), "refers to posix.mkdir.*refusing to load it")
+    assert not (tmp_path / "m.pwned").exists()
+
+    with open(metadata_file, "wb") as handle:
+        metadata = ckpt._MetadataUnpickler(io.BytesIO(good)).load()
+        first = next(iter(metadata.storage_data))
+        metadata.storage_data[first].relative_path = "../../outside.distcp"
+        pickle.dump(metadata, handle)
+    run_on_ranks(2, _load_expecting, str(path), "outside the checkpoint folder")
+
+    metadata_file.write_bytes(good)  # the untouched metadata still loads
+    run_on_ranks(2, _load_and_compare_any, str(path))
+
+
+def _load_and_compare_any(path: str) -> None:
+    model = _model(ShardingStrategy.FULL_SHARD, False, seed=1)
+    assert ckpt.load(path, model, _adam(model))["step"] == 2
 
 
 # -- memory of a rank-0-only full state dict ------------------------------------------------------
