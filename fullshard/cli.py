@@ -11,13 +11,16 @@ the launcher for multi-node jobs. ``plan`` imports no torch, so it answers at on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
 import socket
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main"]
 
@@ -207,6 +210,50 @@ def _train(argv: list[str]) -> int:
     return _launch(launch, Path(str(config.out)))
 
 
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@contextlib.contextmanager
+def _stores_on_loopback() -> Iterator[None]:
+    """Inside, TCPStore servers for a loopback host listen on loopback only.
+
+    torch's elastic agent creates its stores (the rendezvous store, the agent's store for
+    the ranks) with ``TCPStore(host, port, is_master=True)``, which listens on every
+    interface whatever ``host`` is. A server for a loopback host is given a socket bound to
+    127.0.0.1 instead (``master_listen_fd``); other hosts (multi-node) are left alone."""
+    import torch.distributed as dist
+    import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend as c10d_backend
+
+    original = dist.TCPStore
+    sockets: list[socket.socket] = []
+
+    class LoopbackTCPStore(original):  # type: ignore[misc, valid-type]
+        def __init__(self, host_name: str, port: int, *args: Any, **kwargs: Any) -> None:
+            names = ("world_size", "is_master", "timeout", "wait_for_workers", "multi_tenant")
+            options = dict(zip(names, args), **kwargs)
+            if (
+                options.get("is_master")
+                and host_name in _LOOPBACK
+                and options.get("master_listen_fd") is None
+            ):
+                listener = socket.socket()
+                listener.bind(("127.0.0.1", port))
+                listener.listen(4096)
+                sockets.append(listener)
+                port, options["master_listen_fd"] = listener.getsockname()[1], listener.fileno()
+            super().__init__(host_name, port, **options)
+
+    dist.TCPStore = LoopbackTCPStore  # type: ignore[misc]
+    c10d_backend.TCPStore = LoopbackTCPStore  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        dist.TCPStore = original  # type: ignore[misc]
+        c10d_backend.TCPStore = original  # type: ignore[misc]
+        for listener in sockets:
+            listener.close()
+
+
 def _launch(launch: list[str], out: Path) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one compute thread per rank, no warning
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -214,7 +261,8 @@ def _launch(launch: list[str], out: Path) -> int:
     from torch.distributed.run import parse_args, run
 
     try:
-        run(parse_args(launch))
+        with _stores_on_loopback():
+            run(parse_args(launch))
     except SignalException as stop:
         print(
             f"\nfullshard train: stopped by {stop.sigval.name}; every rank was stopped. The last "

@@ -334,3 +334,51 @@ def test_launcher_restarts_a_failed_rank_and_resumes_exactly(tmp_path: Path) -> 
     assert len(report["losses"]) == 24
     for got, want in zip(report["losses"], expected):
         assert abs(got - want) <= 1e-5 * abs(want), (report["losses"], expected)
+
+
+def _listening_addresses(pids: list[int]) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp writes them) of the TCP sockets these processes
+    listen on."""
+    inodes = set()
+    for pid in pids:
+        fd_dir = Path(f"/proc/{pid}/fd")
+        for fd in fd_dir.iterdir() if fd_dir.exists() else []:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    addresses = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                addresses.append(fields[1].split(":")[0])
+    return addresses
+
+
+def test_train_listens_on_loopback_only(tmp_path: Path) -> None:
+    """On one machine every socket the job listens on (the launcher's rendezvous and agent
+    stores, the ranks' gloo sockets) is bound to 127.0.0.1, none to all interfaces."""
+    out = tmp_path / "run"
+    run = subprocess.Popen(
+        [*FULLSHARD, "train", *TINY, "--steps", "400", "--checkpoint-every", "0",
+         "--out", str(out)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and run.poll() is None:
+            ranks = [int(p) for p in _ranks_alive(out)]
+            addresses = _listening_addresses([run.pid, *ranks])
+            if len(ranks) == 3 and len(addresses) >= 4:  # 2 stores + 2 ranks' gloo sockets
+                break
+            time.sleep(0.5)
+        assert run.poll() is None, "the run ended before it was inspected"
+        assert len(addresses) >= 4, addresses
+        loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1
+        assert set(addresses) <= loopback, addresses
+    finally:
+        run.send_signal(signal.SIGINT)
+        run.communicate(timeout=60)
