@@ -225,7 +225,6 @@ def _stores_on_loopback() -> Iterator[None]:
     import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend as c10d_backend
 
     original = dist.TCPStore
-    sockets: list[socket.socket] = []
 
     class LoopbackTCPStore(original):  # type: ignore[misc, valid-type]
         def __init__(self, host_name: str, port: int, *args: Any, **kwargs: Any) -> None:
@@ -236,11 +235,12 @@ def _stores_on_loopback() -> Iterator[None]:
                 and host_name in _LOOPBACK
                 and options.get("master_listen_fd") is None
             ):
-                listener = socket.socket()
-                listener.bind(("127.0.0.1", port))
-                listener.listen(4096)
-                sockets.append(listener)
-                port, options["master_listen_fd"] = listener.getsockname()[1], listener.fileno()
+                with socket.socket() as listener:
+                    listener.bind(("127.0.0.1", port))
+                    listener.listen(4096)
+                    port = listener.getsockname()[1]
+                    # The store owns the descriptor from here on (and closes it).
+                    options["master_listen_fd"] = listener.detach()
             super().__init__(host_name, port, **options)
 
     dist.TCPStore = LoopbackTCPStore  # type: ignore[misc]
@@ -250,8 +250,6 @@ def _stores_on_loopback() -> Iterator[None]:
     finally:
         dist.TCPStore = original  # type: ignore[misc]
         c10d_backend.TCPStore = original  # type: ignore[misc]
-        for listener in sockets:
-            listener.close()
 
 
 def _launch(launch: list[str], out: Path) -> int:

@@ -82,6 +82,7 @@ class TrainConfig:
     resume: bool
     overwrite: bool
     sample_bytes: int
+    timeout_s: float = 300.0
 
     def gpt(self) -> GPTConfig:
         shape = PRESETS[self.preset]
@@ -136,6 +137,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cpu-offload", action="store_true", help="keep sharded params and grads on the CPU"
     )
     fsdp.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    fsdp.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds any collective may wait before the job fails naming it (default 300)",
+    )
     out = parser.add_argument_group("output and checkpoints")
     out.add_argument(
         "--out",
@@ -181,6 +188,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         parser.error(
             f"--checkpoint-every must be 0 (no checkpoints) or more, got {args.checkpoint_every}"
         )
+    if not args.timeout > 0:
+        parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.resume and args.overwrite:
         parser.error("--resume and --overwrite contradict each other; pick one")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -213,6 +222,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         resume=args.resume,
         overwrite=args.overwrite,
         sample_bytes=args.sample_bytes,
+        timeout_s=args.timeout,
     )
 
 
@@ -283,9 +293,10 @@ def init_distributed(config: TrainConfig) -> torch.device:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
+    timeout = timedelta(seconds=config.timeout_s)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if attempt == 0:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
         return device
     # A restart after a failure reuses the launcher's store, where the failed attempt's
     # process group left its keys (peers' addresses): with them, connecting can pick a
@@ -304,6 +315,7 @@ def init_distributed(config: TrainConfig) -> torch.device:
         store=dist.PrefixStore(f"fullshard/attempt_{attempt}", store),
         rank=rank,
         world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
     )
     return device
 

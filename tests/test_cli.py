@@ -241,6 +241,7 @@ def test_train_mistakes_get_clear_messages_before_any_rank_starts(tmp_path: Path
             (["--out", str(made)], "already holds a checkpoint; pass --resume"),
             (["--out", str(made), "--resume", "--preset", "small"], "from another model or run"),
             (["--resume", "--overwrite"], "--resume and --overwrite contradict each other"),
+            (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0.0"),
         ]
         for args, message in cases:
             result = _run(["train", *TINY, *args], timeout=120)
