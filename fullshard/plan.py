@@ -255,7 +255,7 @@ def make_plan(
         checkpointed=activation_checkpointing,
     )
     group = shard_group_size or world_size
-    memory = estimate(
+    resident = estimate(
         units,
         world_size,
         strategy,
@@ -263,23 +263,13 @@ def make_plan(
         param_bytes=param_bytes,
         compute_bytes=compute_bytes,
         optim_states_per_param=_OPTIMIZER_STATES[optimizer],
-        offload_params=cpu_offload,
         activations=activations,
         shard_group_size=group,
     )
-    host = 0
-    if cpu_offload:
-        on_device = estimate(
-            units,
-            world_size,
-            strategy,
-            root_numel=shape.root_numel,
-            param_bytes=param_bytes,
-            compute_bytes=compute_bytes,
-            optim_states_per_param=_OPTIMIZER_STATES[optimizer],
-            shard_group_size=group,
-        )
-        host = on_device.params + on_device.grads + on_device.optimizer
+    memory, host = resident, 0
+    if cpu_offload:  # the model state moves to host memory; the rest stays on the device
+        host = resident.params + resident.grads + resident.optimizer
+        memory = replace(resident, params=0, grads=0, optimizer=0)
     comm = communication_bytes(
         units,
         world_size,

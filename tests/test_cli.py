@@ -187,18 +187,28 @@ def _ranks_alive(out: Path) -> list[str]:
     return found.stdout.split()
 
 
+STEPS = ["--steps", "24", "--checkpoint-every", "4", "--warmup-steps", "4"]
+"""The runs that are stopped, killed and resumed below."""
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The loss curve of a run of ``STEPS`` that nothing interrupts."""
+    out = tmp_path_factory.mktemp("whole")
+    result = _run(["train", *TINY, *STEPS, "--out", str(out)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses: list[float] = json.loads((out / "report.json").read_text())["losses"]
+    return losses
+
+
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
 def test_stopped_run_resumes_to_the_uninterrupted_loss_curve(
-    stop: signal.Signals, tmp_path: Path
+    stop: signal.Signals, tmp_path: Path, uninterrupted_losses: list[float]
 ) -> None:
     """Stop the launcher mid-run (SIGTERM, or SIGINT as Ctrl-C sends): every rank ends, the
     last complete checkpoint stays intact, and rerunning with --resume continues from its
     step; the loss curve equals an uninterrupted run's (same seed) within 1e-5 relative."""
-    steps = ["--steps", "24", "--checkpoint-every", "4", "--warmup-steps", "4"]
-    whole, broken = tmp_path / "whole", tmp_path / "broken"
-    uninterrupted = _run(["train", *TINY, *steps, "--out", str(whole)])
-    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
-    expected = json.loads((whole / "report.json").read_text())["losses"]
+    steps, expected, broken = STEPS, uninterrupted_losses, tmp_path / "broken"
 
     first = subprocess.Popen(
         [*FULLSHARD, "train", *TINY, *steps, "--out", str(broken)],
@@ -307,15 +317,13 @@ def test_command_help_and_unknown_commands() -> None:
     )
 
 
-def test_launcher_restarts_a_failed_rank_and_resumes_exactly(tmp_path: Path) -> None:
+def test_launcher_restarts_a_failed_rank_and_resumes_exactly(
+    tmp_path: Path, uninterrupted_losses: list[float]
+) -> None:
     """With --max-restarts 1, killing a rank (SIGKILL) mid-run makes the other rank fail at
     its next collective and the launcher restart both; they resume from the last checkpoint,
     and the run ends with the uninterrupted run's loss curve: no step lost or repeated."""
-    steps = ["--steps", "24", "--checkpoint-every", "4", "--warmup-steps", "4"]
-    whole, restarted = tmp_path / "whole", tmp_path / "restarted"
-    uninterrupted = _run(["train", *TINY, *steps, "--out", str(whole)])
-    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
-    expected = json.loads((whole / "report.json").read_text())["losses"]
+    steps, expected, restarted = STEPS, uninterrupted_losses, tmp_path / "restarted"
 
     run = subprocess.Popen(
         [*FULLSHARD, "train", *TINY, *steps, "--max-restarts", "1", "--out", str(restarted)],
