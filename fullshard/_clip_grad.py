@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from . import _collectives as comm
 from ._traversal import _get_fsdp_handles
 
 if TYPE_CHECKING:
@@ -71,7 +72,8 @@ def clip_grad_norm_(
     total = torch.zeros((), dtype=torch.float32, device=device)
     for group, grads in sharded.items():
         local = _norm_power(grads, norm_type, device)
-        dist.all_reduce(local, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
+        op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
+        comm.all_reduce(local, group, "clip_grad_norm_", op).wait()
         total = torch.maximum(total, local) if is_inf else total + local
     if replicated:
         local = _norm_power(replicated, norm_type, device)

@@ -277,14 +277,19 @@ def reduce_scatter_into(
     return _issued("reduce_scatter", label, group, work)
 
 
-def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, label: str) -> Pending:
-    """Sum ``tensor`` in place over ``group``."""
+def all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    label: str,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+) -> Pending:
+    """Reduce ``tensor`` in place over ``group`` (a sum unless ``op`` says otherwise)."""
     num_ranks = dist.get_world_size(group)
     if debug_checks_enabled():
         _check_agreement("all_reduce", label, tensor, group)
     COUNTERS.record("all_reduce", label, 2 * _tensor_bytes(tensor) * (num_ranks - 1) / num_ranks)
     with record_function(f"fullshard::all_reduce({label})"):
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
     return _issued("all_reduce", label, group, work)
 
 

@@ -618,7 +618,7 @@ class FlatParamHandle:
         if predivide > 1:
             grad = grad.div_(predivide)
         if not self.uses_sharded_strategy:
-            work: comm.Pending = comm.all_reduce_sum(grad, self.groups.shard, self.label)
+            work: comm.Pending = comm.all_reduce(grad, self.groups.shard, self.label)
             self._pending_reduction = _PendingReduction(work, grad, grad, postdivide)
             return
         padding = self.layout.padded_numel - self.layout.numel
@@ -641,7 +641,7 @@ class FlatParamHandle:
         pending.work.wait()
         reduced = pending.reduced_grad
         if self.groups.replicate is not None:
-            comm.all_reduce_sum(reduced, self.groups.replicate, self.label).wait()
+            comm.all_reduce(reduced, self.groups.replicate, self.label).wait()
         if pending.postdivide > 1:
             reduced.div_(pending.postdivide)
         dtype = reduced.dtype if self._keep_low_precision_grads else self._orig_param_dtype
@@ -761,7 +761,7 @@ class FlatParamHandle:
         assert self._use_orig_params, "summon_full_params(with_grads=True) needs use_orig_params"
         flat_grad = self.flat_param.grad
         has_grad = torch.tensor([float(flat_grad is not None)], device=self.device)
-        dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=self.groups.shard)
+        comm.all_reduce(has_grad, self.groups.shard, self.label, dist.ReduceOp.MAX).wait()
         if not has_grad.item():
             return
         if flat_grad is None:

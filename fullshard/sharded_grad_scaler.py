@@ -360,7 +360,7 @@ class ShardedGradScaler(GradScaler):
         total = torch.zeros((), dtype=torch.float32, device=device)
         for flag in found_inf_per_device.values():
             total += flag.to(device).sum()
-        comm.all_reduce_sum(total, group, "found_inf").wait()
+        comm.all_reduce(total, group, "found_inf").wait()
         for flag in found_inf_per_device.values():
             flag.copy_(total.to(flag.device))
 
