@@ -17,6 +17,7 @@ Reduce-scatter, worked example with 2 ranks and a 4-element input::
 
 from __future__ import annotations
 
+import math
 import os
 import zlib
 from collections import Counter, defaultdict, deque
@@ -102,8 +103,11 @@ def collective_timeout() -> timedelta | None:
         raise ValueError(
             f"FULLSHARD_COLLECTIVE_TIMEOUT={value!r} is not a number of seconds"
         ) from None
-    if seconds <= 0:
-        raise ValueError(f"FULLSHARD_COLLECTIVE_TIMEOUT must be positive, got {value}")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(
+            f"FULLSHARD_COLLECTIVE_TIMEOUT must be a positive, finite number of seconds, got "
+            f"{value}; unset it to use the process group's timeout"
+        )
     return timedelta(seconds=seconds)
 
 

@@ -130,13 +130,21 @@ def save(
     except CollectiveError:
         raise
     except (RuntimeError, CheckpointException) as error:
-        if not dist.is_initialized():
-            raise
+        if not (dist.is_initialized() and _lost_a_peer(error)):
+            raise  # a local mistake: its own message says what is wrong
         raise CollectiveError(
             f"fullshard: checkpoint.save({str(path)!r}) failed on rank {_rank()}: another rank "
             "died or stopped taking part while saving. The previous checkpoint there, if any, "
             f"is intact. (Underlying error: {str(error).strip()[:2000]})"
         ) from error
+
+
+_PEER_LOST = ("Connection closed", "Connection reset", "Broken pipe", "Timed out", "timed out")
+"""What gloo and NCCL say when a peer died or stopped taking part."""
+
+
+def _lost_a_peer(error: BaseException) -> bool:
+    return any(text in str(error) for text in _PEER_LOST)
 
 
 def _save(
@@ -329,10 +337,9 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
             metadata = json.load(handle)
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"{folder / METADATA_FILE} is unreadable: {error}") from error
-    if metadata.get("format") != _FORMAT:
-        raise ValueError(
-            f"{folder} is not a fullshard checkpoint (format {metadata.get('format')!r})"
-        )
+    found = metadata.get("format") if isinstance(metadata, dict) else type(metadata).__name__
+    if found != _FORMAT:
+        raise ValueError(f"{folder} is not a fullshard checkpoint (format {found!r})")
     return metadata
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from . import _init_utils, _optim_state_dict, _state_dict
 from ._optim_state_dict import OptimStateKeyType
@@ -39,6 +40,9 @@ from .api import (
     StateDictType,
 )
 from .flat_param import FlatParameter, FlatParamHandle, HandleState
+
+_WRAPPED_BY = "_fullshard_wrapped"
+"""Set on every module a FullyShardedDataParallel wraps, so it is not wrapped twice."""
 
 __all__ = [
     "FSDP_WRAPPED_MODULE",
@@ -145,7 +149,15 @@ def _resolve_settings(kwargs: dict[str, Any]) -> _Settings:
     strategy = kwargs.get("sharding_strategy") or ShardingStrategy.FULL_SHARD
     if not isinstance(strategy, ShardingStrategy):
         raise TypeError(f"sharding_strategy must be a fullshard.ShardingStrategy, got {strategy!r}")
-    groups = resolve_groups(strategy, kwargs.get("process_group"), kwargs.get("device_mesh"))
+    process_group, mesh = kwargs.get("process_group"), kwargs.get("device_mesh")
+    if process_group is not None and not isinstance(process_group, (dist.ProcessGroup, tuple)):
+        raise TypeError(
+            "process_group must be a torch.distributed.ProcessGroup (or, for hybrid "
+            f"strategies, a (shard, replicate) tuple of them) or None, got {process_group!r}"
+        )
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a torch.distributed.DeviceMesh or None, got {mesh!r}")
+    groups = resolve_groups(strategy, process_group, mesh)
     cpu_offload = kwargs.get("cpu_offload")
     if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
         raise TypeError(f"cpu_offload must be a fullshard.CPUOffload or None, got {cpu_offload!r}")
@@ -224,9 +236,20 @@ class FullyShardedDataParallel(nn.Module):
             ignored_states=ignored_states,
             device_mesh=device_mesh,
         )
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__qualname__} "
+                f"({module!r:.80})"
+            )
         if isinstance(module, FullyShardedDataParallel):
             raise ValueError(
                 "the module is already a FullyShardedDataParallel instance; wrap it only once"
+            )
+        if getattr(module, _WRAPPED_BY, None) is not None:
+            raise ValueError(
+                f"this {type(module).__qualname__} is already wrapped by another "
+                "FullyShardedDataParallel instance, which owns its parameters now; wrap each "
+                "module once and use that wrapper"
             )
         settings = _resolve_settings(kwargs)
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
@@ -255,6 +278,7 @@ class FullyShardedDataParallel(nn.Module):
         self, module: nn.Module, settings: _Settings, excluded_params: set[nn.Parameter]
     ) -> None:
         self._fsdp_wrapped_module = module
+        module.__dict__[_WRAPPED_BY] = True  # a plain attribute: no submodule, no state
         mixed_precision = settings.mixed_precision
         self._upcasts_for_class = mixed_precision is not None and isinstance(
             module, tuple(mixed_precision._module_classes_to_ignore)
@@ -977,6 +1001,14 @@ def _auto_wrap(
     resolved = resolve_policy(policy)
     if resolved is None:
         return
+    for name, submodule in root.named_modules():
+        if isinstance(submodule, FullyShardedDataParallel):
+            raise ValueError(
+                "FSDP auto wrapping requires modules to not already have FSDP applied but found "
+                f"{clean_fqn(name)} in the {type(root).__qualname__} being wrapped. Wrap by hand "
+                "or with the policy, not both: drop the inner FullyShardedDataParallel, or the "
+                "auto_wrap_policy"
+            )
     targets = resolved._run_policy(root, ignored, dict(kwargs))
     if mixed_precision is not None and mixed_precision._module_classes_to_ignore:
         ignored_classes = tuple(mixed_precision._module_classes_to_ignore)

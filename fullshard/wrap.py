@@ -314,6 +314,11 @@ def resolve_policy(policy: _Policy | _LegacyPolicyFn | None) -> _Policy | None:
     ``size_based_auto_wrap_policy``, ...) is adapted to a ``_Policy``."""
     if policy is None or isinstance(policy, _Policy):
         return policy
+    if isinstance(policy, type):
+        raise TypeError(
+            f"auto_wrap_policy got the class {policy.__qualname__}; to wrap every instance of "
+            f"it, pass ModuleWrapPolicy({{{policy.__qualname__}}})"
+        )
     if not callable(policy):
         hint = ""
         if isinstance(policy, (set, frozenset, list, tuple)):

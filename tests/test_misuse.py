@@ -180,6 +180,18 @@ def _two_dim_mesh_without_hybrid() -> None:
     FSDP(_mlp(), device_mesh=init_device_mesh("cpu", (1, 2)))
 
 
+def _same_module_twice() -> None:
+    model = _mlp()
+    FSDP(model)
+    FSDP(model)  # the first wrapper owns its parameters already
+
+
+def _auto_wrap_over_wrapped_child() -> None:
+    model = _mlp()
+    model[0] = FSDP(model[0])
+    FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+
+
 def _returns_three(module: nn.Module) -> Any:
     return 3  # neither a bool nor a kwargs dict
 
@@ -267,6 +279,38 @@ CONSTRUCTION: dict[str, Case] = {
         lambda: FSDP(FSDP(_mlp())),
         ValueError,
         "the module is already a FullyShardedDataParallel instance; wrap it only once",
+    ),
+    "same_module_wrapped_by_two_instances": (
+        _same_module_twice,
+        ValueError,
+        "this Sequential is already wrapped by another FullyShardedDataParallel instance",
+    ),
+    "auto_wrap_over_a_wrapped_child": (
+        _auto_wrap_over_wrapped_child,
+        ValueError,
+        "FSDP auto wrapping requires modules to not already have FSDP applied but found 0 in",
+    ),
+    "a_tensor_instead_of_a_module": (
+        lambda: FSDP(torch.randn(3)),  # type: ignore[arg-type]
+        TypeError,
+        "FullyShardedDataParallel wraps an nn.Module, got Tensor",
+    ),
+    "a_class_as_auto_wrap_policy": (
+        lambda: FSDP(_mlp(), auto_wrap_policy=nn.Linear),
+        TypeError,
+        "auto_wrap_policy got the class Linear; to wrap every instance of it, pass "
+        "ModuleWrapPolicy({Linear})",
+    ),
+    "process_group_as_int": (
+        lambda: FSDP(_mlp(), process_group=2),
+        TypeError,
+        "process_group must be a torch.distributed.ProcessGroup (or, for hybrid strategies, a "
+        "(shard, replicate) tuple of them) or None, got 2",
+    ),
+    "device_mesh_as_string": (
+        lambda: FSDP(_mlp(), device_mesh="cpu"),
+        TypeError,
+        "device_mesh must be a torch.distributed.DeviceMesh or None, got 'cpu'",
     ),
     "ignored_modules_holding_a_unit": (
         _ignored_fsdp_unit,
@@ -827,13 +871,25 @@ SCALER_AND_ENV: dict[str, Case] = {
     "collective_timeout_zero": (
         _forward_with_collective_timeout,
         ValueError,
-        "FULLSHARD_COLLECTIVE_TIMEOUT must be positive, got 0",
+        "FULLSHARD_COLLECTIVE_TIMEOUT must be a positive, finite number of seconds, got 0",
+    ),
+    "collective_timeout_nan": (
+        _forward_with_collective_timeout,
+        ValueError,
+        "FULLSHARD_COLLECTIVE_TIMEOUT must be a positive, finite number of seconds, got nan",
+    ),
+    "collective_timeout_inf": (
+        _forward_with_collective_timeout,
+        ValueError,
+        "FULLSHARD_COLLECTIVE_TIMEOUT must be a positive, finite number of seconds, got inf",
     ),
 }
 _ENV = {
     "collective_timeout_not_a_number": {"FULLSHARD_COLLECTIVE_TIMEOUT": "ten"},
     "collective_timeout_with_a_unit": {"FULLSHARD_COLLECTIVE_TIMEOUT": "30s"},
     "collective_timeout_zero": {"FULLSHARD_COLLECTIVE_TIMEOUT": "0"},
+    "collective_timeout_nan": {"FULLSHARD_COLLECTIVE_TIMEOUT": "nan"},
+    "collective_timeout_inf": {"FULLSHARD_COLLECTIVE_TIMEOUT": "inf"},
 }
 
 
@@ -913,6 +969,8 @@ def _damage(folder: Path, how: str) -> None:
         _truncate(folder / "fullshard.json", 0.5)
     elif how == "foreign_fullshard_json":
         (folder / "fullshard.json").write_text(json.dumps({"format": "something-else"}))
+    elif how == "fullshard_json_not_an_object":
+        (folder / "fullshard.json").write_text(json.dumps([1, 2]))
     elif how == "delete_metadata":
         (folder / ".metadata").unlink()
     elif how == "truncate_metadata":
@@ -964,6 +1022,10 @@ CHECKPOINTS: dict[str, tuple[str, str | None, str, type[BaseException], str]] = 
     "checkpoint_with_foreign_fullshard_json": (
         "full", "foreign_fullshard_json", "model_and_adam", ValueError,
         re.escape("is not a fullshard checkpoint (format 'something-else')"),
+    ),
+    "checkpoint_whose_fullshard_json_is_a_list": (
+        "full", "fullshard_json_not_an_object", "model_and_adam", ValueError,
+        re.escape("is not a fullshard checkpoint (format 'list')"),
     ),
     "checkpoint_without_dcp_metadata": (
         "full", "delete_metadata", "model_and_adam", CheckpointException,
