@@ -391,3 +391,33 @@ def test_train_listens_on_loopback_only(tmp_path: Path) -> None:
     finally:
         run.send_signal(signal.SIGINT)
         run.communicate(timeout=60)
+
+
+@pytest.mark.parametrize("fault", ["forward", "backward", "save"])
+def test_rank_killed_in_forward_backward_or_save_restarts_and_resumes_exactly(
+    fault: str, tmp_path: Path, uninterrupted_losses: list[float]
+) -> None:
+    """Rank 1 dies in step 6's forward (an all-gather), in step 6's backward (a
+    reduce-scatter), or while writing the step-8 checkpoint (tests/faults_site): rank 0 fails
+    with fullshard's error naming the operation, the launcher restarts both, they resume
+    from step 4's checkpoint (the step-8 one never completed), and the 24 losses equal an
+    uninterrupted run's: no step lost or repeated."""
+    out = tmp_path / fault
+    env = dict(
+        os.environ,
+        FULLSHARD_TEST_FAULT=fault,
+        PYTHONPATH=os.pathsep.join([str(REPO / "tests" / "faults_site"), str(REPO)]),
+    )
+    result = _run(["train", *TINY, *STEPS, "--max-restarts", "1", "--out", str(out)], env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    named = {
+        "forward": "all-gather of module blocks.1 on rank 0 failed: rank 1 is gone",
+        "backward": "reduce-scatter of module blocks.0 on rank 0 failed: rank 1 is gone",
+        "save": "checkpoint.save(",
+    }[fault]
+    assert named in result.stderr, result.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoint'} at step 4" in result.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["resumed_at"] == [4] and len(report["losses"]) == 24
+    for got, want in zip(report["losses"], uninterrupted_losses):
+        assert abs(got - want) <= 1e-5 * abs(want), (report["losses"], uninterrupted_losses)
