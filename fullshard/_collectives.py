@@ -17,6 +17,7 @@ Reduce-scatter, worked example with 2 ranks and a 4-element input::
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import zlib
@@ -201,28 +202,62 @@ class Pending:
             self._pending = self._next()
         return True
 
-    def _peers(self) -> str:
-        ranks = self._waits_on
-        if ranks is None:
-            me = dist.get_rank()
-            ranks = [r for r in dist.get_process_group_ranks(self.group) if r != me]
-        names = ", ".join(str(r) for r in ranks)
-        return f"rank {names} is" if len(ranks) == 1 else f"one of ranks {names} is"
-
     def _error(self, error: Exception, timeout: timedelta | None) -> CollectiveError:
-        what = _describe(self.kind, self.label)
-        text = str(error)
-        if "Timed out" in text or "timed out" in text or "Timeout" in text:
-            bound = f"{timeout.total_seconds():g} s" if timeout else "the process group's timeout"
-            reason = f"did not complete within {bound}: {self._peers()} not responding"
-        elif "closed" in text or "reset" in text or "Broken pipe" in text:
-            reason = f"failed: {self._peers()} gone (its process died or exited)"
-        else:
-            reason = "failed"
-        return CollectiveError(
-            f"fullshard: {what} on rank {dist.get_rank()} {reason}. Check that rank's log; "
-            f"the job cannot continue. (Underlying error: {text.strip()})"
+        return _named_error(
+            error, _describe(self.kind, self.label), self.group, self._waits_on, timeout
         )
+
+
+def _named_error(
+    error: Exception,
+    what: str,
+    group: dist.ProcessGroup | None,
+    waits_on: list[int] | None,
+    timeout: timedelta | None,
+) -> CollectiveError:
+    """A `CollectiveError` saying which operation failed on this rank, and why."""
+    ranks = waits_on
+    if ranks is None:
+        me = dist.get_rank()
+        members = dist.get_process_group_ranks(group or dist.group.WORLD)
+        ranks = [r for r in members if r != me]
+    names = ", ".join(str(r) for r in ranks)
+    peers = f"rank {names} is" if len(ranks) == 1 else f"one of ranks {names} is"
+    text = str(error)
+    if "Timed out" in text or "timed out" in text or "Timeout" in text:
+        bound = f"{timeout.total_seconds():g} s" if timeout else "the process group's timeout"
+        reason = f"did not complete within {bound}: {peers} not responding"
+    elif "closed" in text or "reset" in text or "Broken pipe" in text:
+        reason = f"failed: {peers} gone (its process died or exited)"
+    else:
+        reason = "failed"
+    return CollectiveError(
+        f"fullshard: {what} on rank {dist.get_rank()} {reason}. Check that rank's log; "
+        f"the job cannot continue. (Underlying error: {text.strip()})"
+    )
+
+
+@contextlib.contextmanager
+def named(what: str, group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """For fullshard's blocking ``torch.distributed`` calls (object exchanges, broadcasts,
+    barriers: bounded by the process group's timeout): a failure that comes from a lost or
+    silent peer becomes a `CollectiveError` naming ``what``; other errors pass unchanged."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as error:
+        if not lost_a_peer(error):
+            raise
+        raise _named_error(error, what, group, None, None) from error
+
+
+PEER_LOST = ("Connection closed", "Connection reset", "Broken pipe", "Timed out", "timed out")
+"""What gloo and NCCL say when a peer died or stopped taking part."""
+
+
+def lost_a_peer(error: BaseException) -> bool:
+    return any(text in str(error) for text in PEER_LOST)
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> int:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import _collectives as comm
 from ._process_groups import ShardingGroups
 
 __all__: list[str] = []
@@ -298,7 +299,8 @@ def sync_module_states(tensors: list[torch.Tensor], groups: ShardingGroups) -> N
             by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
         for same_kind in by_kind.values():
             flat = torch.cat([t.detach().reshape(-1) for t in same_kind])
-            dist.broadcast(flat, src=src, group=group)
+            with comm.named("sync_module_states' broadcast from rank 0", group):
+                dist.broadcast(flat, src=src, group=group)
             with torch.no_grad():
                 for tensor, synced in zip(
                     same_kind, torch.split(flat, [t.numel() for t in same_kind])

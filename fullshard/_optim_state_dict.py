@@ -180,7 +180,8 @@ def _exchange_metadata(
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return mine
     every: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
+    with comm.named("the exchange of optimizer state metadata", group):
+        dist.all_gather_object(every, mine, group=group)
     merged: dict[str, dict[str, _StateMeta]] = {}
     for rank_meta in every:
         for fqn, described in rank_meta.items():
@@ -390,7 +391,8 @@ def _broadcast_skeleton(osd: dict[str, Any] | None, group: Any) -> dict[str, Any
             },
             "param_groups": osd.get("param_groups", []),
         }
-    dist.broadcast_object_list(skeleton, src=_global_rank0(group), group=group)
+    with comm.named("the broadcast of the optimizer state dict's layout", group):
+        dist.broadcast_object_list(skeleton, src=_global_rank0(group), group=group)
     return skeleton[0]
 
 
@@ -478,7 +480,8 @@ def _full_value(
         tensor = source.detach().to(device)
     else:
         tensor = torch.empty(value.shape, dtype=value.dtype, device=device)
-    dist.broadcast(tensor, src=_global_rank0(group), group=group)
+    with comm.named("the broadcast of an optimizer state from rank 0", group):
+        dist.broadcast(tensor, src=_global_rank0(group), group=group)
     return tensor
 
 

@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from . import _collectives as comm
 from ._process_groups import ShardingGroups
 from ._traversal import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE
 from .api import FullStateDictConfig, StateDictConfig, StateDictType
@@ -177,7 +178,8 @@ def _mesh(groups: ShardingGroups, device_type: str) -> DeviceMesh:
         else:
             rows: list[Any] = [None] * dist.get_world_size(groups.replicate)
             shard_ranks = dist.get_process_group_ranks(groups.shard)
-            dist.all_gather_object(rows, shard_ranks, group=groups.replicate)
+            with comm.named("the exchange of the hybrid mesh's ranks", groups.replicate):
+                dist.all_gather_object(rows, shard_ranks, group=groups.replicate)
             mesh = DeviceMesh.from_group(
                 [groups.replicate, groups.shard],
                 device_type,

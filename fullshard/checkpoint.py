@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-from ._collectives import CollectiveError
+from ._collectives import CollectiveError, lost_a_peer, named
 from .api import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 
@@ -72,7 +72,8 @@ def _rank() -> int:
 
 def _barrier() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        with named("the barrier of fullshard.checkpoint"):
+            dist.barrier()
 
 
 def _sharded(model: nn.Module) -> Any:
@@ -130,21 +131,13 @@ def save(
     except CollectiveError:
         raise
     except (RuntimeError, CheckpointException) as error:
-        if not (dist.is_initialized() and _lost_a_peer(error)):
+        if not (dist.is_initialized() and lost_a_peer(error)):
             raise  # a local mistake: its own message says what is wrong
         raise CollectiveError(
             f"fullshard: checkpoint.save({str(path)!r}) failed on rank {_rank()}: another rank "
             "died or stopped taking part while saving. The previous checkpoint there, if any, "
             f"is intact. (Underlying error: {str(error).strip()[:2000]})"
         ) from error
-
-
-_PEER_LOST = ("Connection closed", "Connection reset", "Broken pipe", "Timed out", "timed out")
-"""What gloo and NCCL say when a peer died or stopped taking part."""
-
-
-def _lost_a_peer(error: BaseException) -> bool:
-    return any(text in str(error) for text in _PEER_LOST)
 
 
 def _save(

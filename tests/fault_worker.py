@@ -5,7 +5,7 @@
 Trains a 4-block MLP under fullshard; rank 1 misbehaves as SCENARIO says at step 2:
 ``forward`` (dies in blocks.1's forward), ``backward`` (dies instead of issuing its second
 reduce-scatter), ``hang`` (stops in blocks.1's forward without dying), ``save`` (dies in the
-middle of a checkpoint save). Every rank prints ``SURVIVED <seconds since the fault>`` or
+middle of a checkpoint save), ``optim_state_dict`` (dies before the ranks build one). Every rank prints ``SURVIVED <seconds since the fault>`` or
 ``FAILED <seconds> <error>`` on its last line; the fault time comes from rank 1 through a file.
 """
 
@@ -91,6 +91,12 @@ def main(scenario: str, workdir: Path) -> None:
             optim.zero_grad()
             if scenario == "save" and step == FAULT_STEP:
                 ckpt.save(workdir / "ckpt", model, optim, step=step)
+            if scenario == "optim_state_dict" and step == FAULT_STEP:
+                if rank == 1:
+                    _fault(workdir)
+                    os._exit(1)
+                time.sleep(0.5)  # rank 1 is gone by now
+                FSDP.optim_state_dict(model, optim)
         print("SURVIVED", flush=True)
     except Exception as error:  # the survivors' error is what the test reads
         fault = float((workdir / "fault_time").read_text())

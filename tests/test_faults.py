@@ -62,6 +62,7 @@ def _run_scenario(scenario: str, workdir: Path, env: dict[str, str] | None = Non
         ("forward", "all-gather of module 1 on rank 0 failed: rank 1 is gone (its process died"),
         ("backward", "reduce-scatter of module 2 on rank 0 failed: rank 1 is gone"),
         ("save", "checkpoint.save("),
+        ("optim_state_dict", "the exchange of optimizer state metadata on rank 0 failed: rank 1"),
     ],
 )
 def test_survivor_fails_fast_naming_the_operation(
