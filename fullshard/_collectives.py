@@ -147,12 +147,14 @@ def _check_agreement(kind: str, label: str, tensor: torch.Tensor, group: dist.Pr
         device=tensor.device,
     )
     gathered = [torch.empty_like(signature) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, signature, group=group)
+    mine = f"{_describe(kind, label)} of {tensor.numel()} x {tensor.dtype}"
+    with named(f"the FULLSHARD_DEBUG check before the {mine}", group):
+        dist.all_gather(gathered, signature, group=group)
     if all(torch.equal(other, signature) for other in gathered):
         return
-    mine = f"{_describe(kind, label)} of {tensor.numel()} x {tensor.dtype}"
     everyone: list[Any] = [None] * len(gathered)
-    dist.all_gather_object(everyone, f"rank {dist.get_rank()}: {mine}", group=group)
+    with named(f"the FULLSHARD_DEBUG check before the {mine}", group):
+        dist.all_gather_object(everyone, f"rank {dist.get_rank()}: {mine}", group=group)
     lines = "\n".join(f"  {line}" for line in everyone)
     raise CollectiveMismatchError(
         "fullshard (FULLSHARD_DEBUG): the ranks were about to run different collectives:\n"
@@ -221,8 +223,12 @@ def _named_error(
         me = dist.get_rank()
         members = dist.get_process_group_ranks(group or dist.group.WORLD)
         ranks = [r for r in members if r != me]
-    names = ", ".join(str(r) for r in ranks)
-    peers = f"rank {names} is" if len(ranks) == 1 else f"one of ranks {names} is"
+    if len(ranks) == 1:
+        peers = f"rank {ranks[0]} is"
+    elif len(ranks) <= 8:
+        peers = f"one of ranks {', '.join(str(r) for r in ranks)} is"
+    else:
+        peers = f"one of the other {len(ranks)} ranks of the group is"
     text = str(error)
     if "Timed out" in text or "timed out" in text or "Timeout" in text:
         bound = f"{timeout.total_seconds():g} s" if timeout else "the process group's timeout"
