@@ -9,7 +9,8 @@
 A checkpoint is a folder: DCP's files (each rank writes its own shards; model and optimizer
 state as SHARDED state dicts, so it loads at any world size and sharding strategy) and
 ``fullshard.json``, the metadata: step, world size, strategies, every state dict key with its
-shape and dtype, which optimizer states exist, and the JSON-serialisable extras.
+shape and dtype, which optimizer states exist, the JSON-serialisable extras, and every
+file's size and SHA-256 (checked by ``load``, see [Note: checkpoint digests]).
 
 [Note: atomic checkpoints]
 ``save`` writes into ``.<name>.partial-<token>`` beside ``path``; ``fullshard.json`` is
@@ -28,6 +29,7 @@ inside the checkpoint folder.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -53,7 +55,7 @@ from ._collectives import CollectiveError, lost_a_peer, named
 from .api import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 
-__all__ = ["CheckpointMismatchError", "load", "read_metadata", "save"]
+__all__ = ["CheckpointCorruptedError", "CheckpointMismatchError", "load", "read_metadata", "save"]
 
 logger = logging.getLogger(__name__)
 
@@ -162,10 +164,74 @@ def _save(
         path.parent.mkdir(parents=True, exist_ok=True)
     _barrier()
     dcp.save(state, checkpoint_id=partial)
+    metadata["files"] = _digests_of_written_files(partial)
     if _rank() == 0:
         _write_json(partial / METADATA_FILE, metadata)
         _commit(partial, path)
     _barrier()
+
+
+# [Note: checkpoint digests]
+# DCP's files carry no checksum: a flipped bit in a .distcp file loads without complaint (a
+# weight of -0.0037 came back as -1.27e36). After writing, each rank hashes the files it
+# wrote (DCP names them __<rank>_<n>.distcp; rank 0 also writes .metadata) and rank 0 records
+# every file's size and SHA-256 in fullshard.json. `load` checks them before reading, the
+# files split across the ranks, and raises CheckpointCorruptedError naming each bad file.
+
+
+class CheckpointCorruptedError(ValueError):
+    """A checkpoint file's size or SHA-256 differs from what the save recorded."""
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _digests_of_written_files(folder: Path) -> dict[str, dict[str, Any]]:
+    """{file name: {"bytes", "sha256"}} of every file of the DCP save in ``folder``."""
+    rank = _rank()
+    mine = sorted(folder.glob(f"__{rank}_*.distcp"))
+    if rank == 0:
+        mine.append(folder / ".metadata")
+    digests = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in mine}
+    if not dist.is_initialized():
+        return digests
+    everyone: list[Any] = [None] * dist.get_world_size()
+    with named("the exchange of checkpoint file digests"):
+        dist.all_gather_object(everyone, digests)
+    return {name: entry for part in everyone for name, entry in part.items()}
+
+
+def _verify_files(folder: Path, files: dict[str, dict[str, Any]]) -> None:
+    """Check the recorded sizes and digests, each rank a share of the files; raise on every
+    rank naming every bad file."""
+    rank = _rank()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    problems = []
+    for index, (name, expected) in enumerate(sorted(files.items())):
+        if index % world != rank:
+            continue
+        file = folder / name
+        if not file.is_file():
+            problems.append(f"{name} is missing")
+        elif file.stat().st_size != expected["bytes"]:
+            problems.append(f"{name} has {file.stat().st_size} bytes, {expected['bytes']} saved")
+        elif _sha256(file) != expected["sha256"]:
+            problems.append(f"{name}'s contents changed since the save (SHA-256 differs)")
+    if dist.is_initialized():
+        everyone: list[Any] = [None] * world
+        with named("the exchange of checkpoint verification results"):
+            dist.all_gather_object(everyone, problems)
+        problems = [p for part in everyone for p in part]
+    if problems:
+        raise CheckpointCorruptedError(
+            f"checkpoint {folder} is damaged: {'; '.join(sorted(problems))}. Load an earlier "
+            "checkpoint, or pass verify=False to load it anyway"
+        )
 
 
 def _metadata(
@@ -413,13 +479,19 @@ def load(
     path: str | os.PathLike[str],
     model: nn.Module,
     optim: torch.optim.Optimizer | None = None,
+    *,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Load a checkpoint ``save`` wrote into ``model`` (and ``optim``), at any world size and
     sharding strategy; returns the extras given to ``save`` (e.g. ``["step"]``). Raises
-    ``CheckpointMismatchError`` naming every parameter whose name or shape differs.
+    ``CheckpointMismatchError`` naming every parameter whose name or shape differs, and
+    (with ``verify``) ``CheckpointCorruptedError`` naming every file whose size or SHA-256
+    differs from the save's record (see [Note: checkpoint digests]).
     Collective: call it on every rank."""
     folder = _resolve(Path(path))
     metadata = read_metadata(folder)
+    if verify and metadata.get("files"):
+        _verify_files(folder, metadata["files"])
     with _sharded(model):
         model_state = model.state_dict()
         _check_model(folder, metadata["model"], _describe(model_state))

@@ -292,11 +292,38 @@ def test_loading_runs_no_pickled_code(tmp_path: Path) -> None:
     run_on_ranks(1, _load_refuses_pickled_code, str(tmp_path / "evil"))
 
 
-def _load_expecting(path: str, message: str) -> None:
+def _load_expecting(path: str, message: str, verify: bool = True) -> None:
     model = _model(ShardingStrategy.FULL_SHARD, False, seed=1)
     # DCP wraps a rank's error in a CheckpointException (a BaseException).
     with pytest.raises(BaseException, match=message):
-        ckpt.load(path, model, _adam(model))
+        ckpt.load(path, model, _adam(model), verify=verify)
+
+
+def _flip_a_byte(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    file.write_bytes(bytes(data))
+
+
+def test_damaged_files_are_caught_by_their_digests(tmp_path: Path) -> None:
+    """One flipped bit in a data file (which DCP alone loads silently, as garbage), a
+    truncated file, a missing one: load names each against the save's record."""
+    path = tmp_path / "ckpt"
+    run_on_ranks(2, _save_twice, str(path))
+    files = ckpt.read_metadata(path)["files"]
+    assert sorted(files) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    _flip_a_byte(path / "__1_0.distcp")
+    run_on_ranks(
+        2, _load_expecting, str(path), r"damaged: __1_0\.distcp's contents changed since the save"
+    )
+    data = (path / "__0_0.distcp").read_bytes()
+    (path / "__0_0.distcp").write_bytes(data[:100])
+    (path / ".metadata").unlink()
+    expected = (
+        rf"\.metadata is missing; __0_0\.distcp has 100 bytes, {len(data)} saved; "
+        r"__1_0\.distcp's contents changed"
+    )
+    run_on_ranks(2, _load_expecting, str(path), expected)
 
 
 def test_tampered_metadata_is_refused(tmp_path: Path) -> None:
@@ -308,7 +335,11 @@ def test_tampered_metadata_is_refused(tmp_path: Path) -> None:
     good = metadata_file.read_bytes()
 
     metadata_file.write_bytes(pickle.dumps(_Payload(str(tmp_path / "m"))))
-    run_on_ranks(2, _load_expecting, str(path), "refers to posix.mkdir.*refusing to load it")
+    # The recorded digest catches the change first; without verification the unpickler does.
+    run_on_ranks(2, _load_expecting, str(path), r"damaged: \.metadata has \d+ bytes, \d+ saved")
+    run_on_ranks(
+        2, _load_expecting, str(path), "refers to posix.mkdir.*refusing to load it", verify=False
+    )
     assert not (tmp_path / "m.pwned").exists()
 
     with open(metadata_file, "wb") as handle:
@@ -316,10 +347,11 @@ def test_tampered_metadata_is_refused(tmp_path: Path) -> None:
         first = next(iter(metadata.storage_data))
         metadata.storage_data[first].relative_path = "../../outside.distcp"
         pickle.dump(metadata, handle)
-    run_on_ranks(2, _load_expecting, str(path), "outside the checkpoint folder")
+    run_on_ranks(2, _load_expecting, str(path), "outside the checkpoint folder", verify=False)
 
     metadata_file.write_bytes(good)  # the untouched metadata still loads
     run_on_ranks(2, _load_and_compare_any, str(path))
+    assert ckpt.read_metadata(path)["files"][".metadata"]["bytes"] == len(good)
 
 
 def _load_and_compare_any(path: str) -> None:

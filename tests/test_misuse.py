@@ -24,7 +24,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 
 import fullshard.checkpoint as ckpt
 from fullshard import (
@@ -978,6 +977,10 @@ def _damage(folder: Path, how: str) -> None:
     elif how == "truncate_distcp":
         for file in folder.glob("*.distcp"):
             _truncate(file, 0.5)
+    elif how == "flip_a_bit":
+        data = bytearray((folder / "__1_0.distcp").read_bytes())
+        data[len(data) // 2] ^= 0x01
+        (folder / "__1_0.distcp").write_bytes(bytes(data))
     else:
         assert how == "delete_distcp", how
         (folder / "__0_0.distcp").unlink()
@@ -1028,20 +1031,25 @@ CHECKPOINTS: dict[str, tuple[str, str | None, str, type[BaseException], str]] = 
         re.escape("is not a fullshard checkpoint (format 'list')"),
     ),
     "checkpoint_without_dcp_metadata": (
-        "full", "delete_metadata", "model_and_adam", CheckpointException,
-        r"global metadata read failed: \[Errno 2\] No such file or directory: '.*/\.metadata'",
+        "full", "delete_metadata", "model_and_adam", ckpt.CheckpointCorruptedError,
+        re.escape("is damaged: .metadata is missing. Load an earlier checkpoint, or pass "
+                  "verify=False to load it anyway"),
     ),
     "checkpoint_with_truncated_dcp_metadata": (
-        "full", "truncate_metadata", "model_and_adam", CheckpointException,
-        re.escape("unreadable DCP metadata: pickle data was truncated"),
+        "full", "truncate_metadata", "model_and_adam", ckpt.CheckpointCorruptedError,
+        r"is damaged: \.metadata has \d+ bytes, \d+ saved",
     ),
     "checkpoint_with_truncated_distcp_files": (
-        "full", "truncate_distcp", "model_and_adam", CheckpointException,
-        re.escape("there is a high likelihood that your checkpoint file is corrupted"),
+        "full", "truncate_distcp", "model_and_adam", ckpt.CheckpointCorruptedError,
+        r"is damaged: __0_0\.distcp has \d+ bytes, \d+ saved; __1_0\.distcp has \d+ bytes",
     ),
     "checkpoint_with_a_deleted_distcp_file": (
-        "full", "delete_distcp", "model_and_adam", CheckpointException,
-        r"No such file or directory: '.*/__0_0\.distcp'",
+        "full", "delete_distcp", "model_and_adam", ckpt.CheckpointCorruptedError,
+        re.escape("is damaged: __0_0.distcp is missing"),
+    ),
+    "checkpoint_with_a_flipped_bit": (
+        "full", "flip_a_bit", "model_and_adam", ckpt.CheckpointCorruptedError,
+        re.escape("is damaged: __1_0.distcp's contents changed since the save (SHA-256 differs)"),
     ),
 }  # fmt: skip
 
