@@ -503,9 +503,28 @@ class FlatParamHandle:
     def use_unsharded_views(self) -> None:
         """Point every owner module's attribute at its view of the unsharded parameter."""
         self._assert_state(HandleState.UNSHARDED, "use_unsharded_views")
+        self._check_params_not_replaced()
         for view, slot_owners in zip(self._unsharded_views(), self._owners):
             for module, name in slot_owners:
                 _assign_plain(module, name, view, self._unsafe_setattr)
+
+    def _check_params_not_replaced(self) -> None:
+        """Raise if the user registered another parameter where this unit manages one: FSDP
+        would silently keep training the parameter it found at wrapping time."""
+        for index, (param, slot_owners) in enumerate(zip(self._orig_params, self._owners)):
+            for module, name in slot_owners:
+                current = module._parameters.get(name)
+                # Registered there: the original (use_orig_params, while sharded) or nothing
+                # (our plain views, or flat parameters); any other Parameter is the user's.
+                if current is not None and not (self._use_orig_params and current is param):
+                    fqn = self.param_fqns[index]
+                    raise RuntimeError(
+                        f"the parameter {fqn} of FSDP unit '{self.label}' was replaced after "
+                        "FullyShardedDataParallel wrapped the model; FSDP shards and trains the "
+                        "parameters it found at wrapping time. Replace, resize or tie "
+                        "parameters before wrapping (or load new values through load_state_dict"
+                        " or summon_full_params(writeback=True))"
+                    )
 
     # -- state transitions ------------------------------------------------------------------
 

@@ -1140,3 +1140,30 @@ def test_cli_misuse(case: str, tmp_path: Path) -> None:
     )
     assert result.returncode == status, result.stderr[-2000:]
     assert message.format(out=out) in result.stderr, result.stderr[-2000:]
+
+
+def _replace_after_wrapping(use_orig_params: bool, tie: bool, message: str) -> None:
+    model = _mlp()
+    fsdp = FSDP(model, use_orig_params=use_orig_params)
+    fsdp(torch.randn(2, 4)).sum().backward()
+    if tie:
+        model[2].weight = model[0].weight  # a tie made after wrapping
+    else:
+        model[0].weight = nn.Parameter(torch.zeros(4, 4))
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        fsdp(torch.randn(2, 4))
+
+
+@pytest.mark.parametrize(
+    ("use_orig_params", "tie"),
+    [(False, False), (True, False), (True, True)],
+    ids=["replaced-flat", "replaced-orig_params", "tied-orig_params"],
+)
+def test_parameter_replaced_after_wrapping(use_orig_params: bool, tie: bool) -> None:
+    """A parameter replaced (or, with use_orig_params, tied to another) after wrapping: the
+    next forward raises naming it, instead of silently training the parameter FSDP found at
+    wrapping time. (Without use_orig_params, module attributes between steps are plain
+    views, and a plain tensor assigned to one is not detected.)"""
+    name = "2.weight" if tie else "0.weight"
+    message = f"the parameter {name} of FSDP unit '(root)' was replaced after"
+    run_on_ranks(2, _replace_after_wrapping, use_orig_params, tie, message)
