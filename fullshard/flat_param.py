@@ -113,6 +113,11 @@ class _PendingReduction:
     """What the reduced gradient is divided by once the reduction is done."""
 
 
+RELEASED_FROM = "_fullshard_released_from"
+"""Set on an original parameter whose values moved into a flat parameter (to its name);
+see `_check_optimizer_params` in fully_sharded_data_parallel.py."""
+
+
 @dataclass
 class _Unsharded:
     """An unsharded buffer and the autograd leaf over it (see [Note: a separate unsharded leaf])."""
@@ -352,12 +357,13 @@ class FlatParamHandle:
         if self._use_orig_params:
             self._use_sharded_params()
             return
-        for param, slot_owners in zip(self._orig_params, self._owners):
+        for param, slot_owners, fqn in zip(self._orig_params, self._owners, self.param_fqns):
             for module, name in slot_owners:
                 _remove_attr(module, name, self._unsafe_setattr)
             # The handle keeps the object only to recognise it; its values now live in the
             # flat parameter, so drop the original storage.
             param.data = param.data.new_empty(0)
+            setattr(param, RELEASED_FROM, fqn)
 
     def check_adoptable(self, converted: torch.Tensor) -> None:
         """The flat parameter keeps its identity (optimizers hold it), so a conversion must

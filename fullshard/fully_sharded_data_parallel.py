@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +40,7 @@ from .api import (
     StateDictSettings,
     StateDictType,
 )
-from .flat_param import FlatParameter, FlatParamHandle, HandleState
+from .flat_param import RELEASED_FROM, FlatParameter, FlatParamHandle, HandleState
 
 _WRAPPED_BY = "_fullshard_wrapped"
 """Set on every module a FullyShardedDataParallel wraps, so it is not wrapped twice."""
@@ -252,6 +253,7 @@ class FullyShardedDataParallel(nn.Module):
                 "module once and use that wrapper"
             )
         settings = _resolve_settings(kwargs)
+        _watch_optimizers()
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
             warnings.warn(
                 "FSDP will not all-gather parameters for containers that do not implement "
@@ -982,6 +984,41 @@ def _post_order(root: nn.Module) -> list[nn.Module]:
 # (nn.MultiheadAttention uses `self.out_proj.weight` directly). A unit made of such a child
 # would never be unsharded, so auto-wrapping leaves these children to the enclosing unit.
 _READS_CHILD_PARAMS_DIRECTLY: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+
+
+_CHECKED_OPTIMIZERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = (
+    weakref.WeakKeyDictionary()
+)
+"""Optimizer -> how many parameters it held when last checked (checked again if that changes)."""
+_OPTIMIZER_HOOK: list[Any] = []
+
+
+def _watch_optimizers() -> None:
+    """Once per process: check every optimizer's parameters before its first step."""
+    if not _OPTIMIZER_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_check_optimizer_params))
+
+
+def _check_optimizer_params(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    """An optimizer built before wrapping (use_orig_params=False) holds the original
+    parameters, which FSDP emptied: its steps would silently do nothing."""
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    if _CHECKED_OPTIMIZERS.get(optimizer) == count:
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            name = getattr(param, RELEASED_FROM, None)
+            if name is not None:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds parameters that FullyShardedDataParallel "
+                    f"took over when it wrapped the model (e.g. {name}): they are empty "
+                    "now and never get gradients, so this step would change nothing. Build the "
+                    "optimizer after wrapping, over the wrapped model's parameters() (or wrap "
+                    "with use_orig_params=True, which keeps the original parameters)"
+                )
+    _CHECKED_OPTIMIZERS[optimizer] = count
 
 
 def _auto_wrap(

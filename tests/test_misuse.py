@@ -1167,3 +1167,28 @@ def test_parameter_replaced_after_wrapping(use_orig_params: bool, tie: bool) -> 
     name = "2.weight" if tie else "0.weight"
     message = f"the parameter {name} of FSDP unit '(root)' was replaced after"
     run_on_ranks(2, _replace_after_wrapping, use_orig_params, tie, message)
+
+
+def _optimizer_before_wrapping(use_orig_params: bool) -> bool:
+    model = _mlp()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)  # built over the unwrapped model
+    fsdp = FSDP(model, use_orig_params=use_orig_params)
+    fsdp(torch.randn(2, 4)).sum().backward()
+    if not use_orig_params:
+        message = (
+            "SGD holds parameters that FullyShardedDataParallel took over when it wrapped the "
+            "model (e.g. 0.weight): they are empty now and never get gradients"
+        )
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            optim.step()
+        return False
+    before = [p.detach().clone() for p in fsdp.parameters()]
+    optim.step()  # use_orig_params keeps the original parameters: this trains
+    return any(not torch.equal(a, p) for a, p in zip(before, fsdp.parameters()))
+
+
+def test_optimizer_built_before_wrapping() -> None:
+    """With use_orig_params=False the optimizer's first step raises (it would silently do
+    nothing); with use_orig_params=True the same code trains."""
+    assert run_on_ranks(2, _optimizer_before_wrapping, False) == [False, False]
+    assert run_on_ranks(2, _optimizer_before_wrapping, True) == [True, True]
