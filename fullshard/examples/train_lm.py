@@ -1,9 +1,7 @@
 """The training example grew into ``fullshard train`` (its worker is `fullshard.train`);
 this name keeps ``torchrun -m fullshard.examples.train_lm`` working."""
 
-import sys
-
-from fullshard.train import main
+from fullshard.train import exit_without_teardown, main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())
