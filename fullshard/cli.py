@@ -20,7 +20,10 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the train module imports torch; `plan` and `--help` must not
+    from .train import TrainConfig
 
 __all__ = ["main"]
 
@@ -158,12 +161,11 @@ def _launcher_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     return argv
 
 
-def _check_checkpoint(config: object, parser: argparse.ArgumentParser) -> None:
+def _check_checkpoint(config: TrainConfig, parser: argparse.ArgumentParser) -> None:
     """Refuse, before any rank starts, to overwrite or resume a checkpoint of another run."""
     from . import checkpoint
-    from .train import TrainConfig, checkpoint_path
+    from .train import checkpoint_path
 
-    assert isinstance(config, TrainConfig)
     path = checkpoint_path(config)
     if not (path.exists() or path.with_name(f".{path.name}.previous").exists()):
         return
