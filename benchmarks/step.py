@@ -1,6 +1,6 @@
 """The training-step benchmark; the code is `fullshard.bench` (also ``fullshard bench``).
 
-    python benchmarks/step.py --config comm --json out.json --plot out.png
+python benchmarks/step.py --config comm --json out.json --plot out.png
 """
 
 import sys

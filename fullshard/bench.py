@@ -13,14 +13,16 @@ with ``--plot`` a PNG.
 
     fullshard bench --config comm --world-size 2 --json out.json --plot out.png
 
-This is the one module of the package that imports torch's FSDP (inside ``_wrap``, for the
-engines it compares against); the engine itself never does.
+torch's engines (FSDP1, FSDP2) are in ``benchmarks/torch_fsdp.py`` of the source checkout,
+outside the package, which never imports torch's FSDP; without that file the benchmark runs
+local, DDP and fullshard.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import json
 import os
 import re
@@ -42,6 +44,23 @@ from fullshard.examples.gpt import GPT, Block, GPTConfig, num_params
 from fullshard.plan import ModelShape, gpt_shape, make_plan
 
 ENGINES = ["local", "ddp", "fsdp1", "fsdp2", "fullshard"]
+TORCH_ENGINES = ("fsdp1", "fsdp2")
+"""Engines defined in `TORCH_ENGINES_FILE`."""
+TORCH_ENGINES_FILE = Path(__file__).resolve().parents[1] / "benchmarks" / "torch_fsdp.py"
+
+
+def _torch_engines() -> Any:
+    """``benchmarks/torch_fsdp.py``, loaded from the source checkout (once per process)."""
+    module = sys.modules.get("fullshard_bench_torch_fsdp")
+    if module is None:
+        spec = importlib.util.spec_from_file_location(
+            "fullshard_bench_torch_fsdp", TORCH_ENGINES_FILE
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return module
 
 
 @dataclass(frozen=True)
@@ -139,35 +158,9 @@ def _wrap(
         return nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
-    if engine == "fsdp1":
-        from torch.distributed.fsdp import (
-            BackwardPrefetch,
-            FullyShardedDataParallel,
-            MixedPrecision,
-            ShardingStrategy,
-        )
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-        return FullyShardedDataParallel(
-            model,
-            auto_wrap_policy=ModuleWrapPolicy({Block}),
-            sharding_strategy=ShardingStrategy[args.strategy],
-            mixed_precision=MixedPrecision(torch.bfloat16, torch.bfloat16) if bf16 else None,
-            device_id=device,
-            forward_prefetch=args.forward_prefetch,
-            backward_prefetch=_backward_prefetch(args, BackwardPrefetch),
-        )
-    if engine == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        reshard = args.strategy == "FULL_SHARD"
-        policy = (
-            MixedPrecisionPolicy(torch.bfloat16, torch.bfloat16) if bf16 else MixedPrecisionPolicy()
-        )
-        for block in model.blocks:  # type: ignore[union-attr]
-            fully_shard(block, reshard_after_forward=reshard, mp_policy=policy)
-        fully_shard(model, reshard_after_forward=reshard, mp_policy=policy)
-        return model
+    if engine in TORCH_ENGINES:
+        wrap = getattr(_torch_engines(), f"wrap_{engine}")
+        return wrap(model, args, device, Block)
     import fullshard
     from fullshard.wrap import ModuleWrapPolicy as OurPolicy
 
@@ -380,7 +373,14 @@ def main(argv: list[str] | None = None) -> int:
         prog="fullshard bench", description="training step: local, DDP, torch FSDP1/2, fullshard"
     )
     parser.add_argument("--config", choices=sorted(CONFIGS), default="comm")
-    parser.add_argument("--engines", default=",".join(ENGINES))
+    available = (
+        ENGINES if TORCH_ENGINES_FILE.exists() else [e for e in ENGINES if e not in TORCH_ENGINES]
+    )
+    parser.add_argument(
+        "--engines",
+        default=",".join(available),
+        help=f"comma-separated, from {ENGINES} (default: {','.join(available)})",
+    )
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--strategy", choices=["FULL_SHARD", "SHARD_GRAD_OP"], default="FULL_SHARD")
@@ -407,6 +407,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.engines) - set(ENGINES))
     if unknown:
         parser.error(f"unknown engines {unknown}; choose from {ENGINES}")
+    missing = sorted(set(args.engines) - set(available))
+    if missing:
+        parser.error(
+            f"engines {missing} are torch's FSDP, defined in {TORCH_ENGINES_FILE}, which this "
+            "installation lacks: run from a source checkout of fullshard"
+        )
     out = f"/tmp/fullshard-bench-{os.getpid()}.json"
     gathered: list[dict[str, list[dict[str, Any]]]] = [
         {engine: [] for engine in args.engines} for _ in range(args.world_size)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -821,11 +822,20 @@ def test_summon_raises_when_called_during_forward(strategy: ShardingStrategy) ->
 
 
 def test_import_loads_no_torch_fsdp_when_imported() -> None:
-    """``import fullshard`` (and its wrap module) loads no torch FSDP module."""
+    """No module of the package loads torch's FSDP (the benchmark's torch engines live in
+    benchmarks/torch_fsdp.py, outside it). torch's own DCP imports parts of torch's FSDP, so
+    the checkpoint modules may load exactly what ``import torch.distributed.checkpoint`` does,
+    nothing more."""
     code = (
-        "import sys, fullshard, fullshard.wrap\n"
+        "import sys\n"
         "prefixes = ('torch.distributed.fsdp', 'torch.distributed._composable.fsdp')\n"
-        "print(sorted(k for k in sys.modules if k.startswith(prefixes)))\n"
+        "def loaded(): return {k for k in sys.modules if k.startswith(prefixes)}\n"
+        "import fullshard, fullshard.wrap, fullshard.bench, fullshard.cli, fullshard.plan\n"
+        "print(sorted(loaded()))\n"
+        "import torch.distributed.checkpoint\n"
+        "by_dcp = loaded()\n"
+        "import fullshard.checkpoint, fullshard.train\n"
+        "print(sorted(loaded() - by_dcp))\n"
     )
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     result = subprocess.run(
@@ -837,7 +847,15 @@ def test_import_loads_no_torch_fsdp_when_imported() -> None:
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[]", f"torch FSDP modules loaded: {result.stdout}"
+    assert result.stdout.split() == ["[]", "[]"], f"torch FSDP modules loaded: {result.stdout}"
+    pattern = re.compile(r"^\s*(from|import)\s+torch\.distributed\.(fsdp|_composable\.fsdp)\b")
+    offenders = [
+        f"{path.name}:{number}"
+        for path in sorted((REPO_ROOT / "fullshard").rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.match(line)
+    ]
+    assert offenders == [], f"the package imports torch's FSDP at {offenders}"
 
 
 # ----------------------------------------------------------------------------------------
