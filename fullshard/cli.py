@@ -20,10 +20,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # the train module imports torch; `plan` and `--help` must not
-    from .train import TrainConfig
+from typing import Any
 
 __all__ = ["main"]
 
@@ -161,36 +158,10 @@ def _launcher_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     return argv
 
 
-def _check_checkpoint(config: TrainConfig, parser: argparse.ArgumentParser) -> None:
-    """Refuse, before any rank starts, to overwrite or resume a checkpoint of another run."""
-    from . import checkpoint
-    from .train import checkpoint_path
-
-    path = checkpoint_path(config)
-    if not (path.exists() or path.with_name(f".{path.name}.previous").exists()):
-        return
-    if not (config.resume or config.overwrite):
-        parser.error(
-            f"{path} already holds a checkpoint; pass --resume to continue that run, "
-            "--overwrite to start afresh, or another --out"
-        )
-    if config.resume:
-        try:
-            saved = checkpoint.read_metadata(path)["extra"].get("run")
-        except ValueError as error:
-            parser.error(f"--resume: {error}")
-        if saved != config.run_identity():
-            parser.error(
-                f"--resume: the checkpoint in {path} is from another model or run ({saved}); "
-                f"this run is {config.run_identity()}: use the same --preset, --seq-len and "
-                "--seed, or another --out"
-            )
-
-
 def _train(argv: list[str]) -> int:
     from dataclasses import replace
 
-    from .train import add_arguments, config_from_args
+    from .train import add_arguments, checkpoint_problem, config_from_args
 
     launcher = _launcher_parser()
     parser = argparse.ArgumentParser(
@@ -205,7 +176,9 @@ def _train(argv: list[str]) -> int:
     config = config_from_args(args, parser)
     if config.out is None:
         config = replace(config, out=time.strftime("runs/%Y%m%d-%H%M%S"))
-    _check_checkpoint(config, parser)
+    problem = checkpoint_problem(config, config.resume)
+    if problem is not None:  # refused before any rank starts
+        parser.error(problem)
     launch_args, worker_argv = launcher.parse_known_args(argv)
     worker_argv = [*worker_argv, "--out", str(config.out)]  # the last --out wins
     launch = [*_launcher_argv(launch_args, parser), "-m", "fullshard.train", *worker_argv]

@@ -440,35 +440,56 @@ def checkpoint_path(config: TrainConfig) -> Path:
     return out_dir(config) / "checkpoint"
 
 
+def has_checkpoint(config: TrainConfig) -> bool:
+    """Whether ``<out>`` holds a checkpoint (or, after a crash mid-swap, its previous one)."""
+    path = checkpoint_path(config)
+    return path.exists() or path.with_name(f".{path.name}.previous").exists()
+
+
+def checkpoint_problem(config: TrainConfig, resuming: bool) -> str | None:
+    """Why this run cannot start over the checkpoint in ``<out>`` as asked, or None.
+    ``resuming``: --resume was given, or the launcher restarted the ranks."""
+    if not has_checkpoint(config):
+        return None
+    path = checkpoint_path(config)
+    if not (resuming or config.overwrite):
+        return (
+            f"{path} already holds a checkpoint; pass --resume to continue that run, "
+            "--overwrite to start afresh (the checkpoint is replaced at the first save), or "
+            "another --out"
+        )
+    if not resuming:
+        return None
+    try:
+        saved = checkpoint.read_metadata(path)["extra"].get("run")
+    except ValueError as error:
+        return f"--resume: {error}"
+    if saved != config.run_identity():
+        return (
+            f"--resume: the checkpoint in {path} is from another model or run ({saved}); this "
+            f"run is {config.run_identity()}: use the same --preset, --seq-len and --seed, or "
+            "another --out"
+        )
+    return None
+
+
 def resume_state(
     config: TrainConfig, model: FSDP, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any] | None:
     """Load ``<out>/checkpoint`` into the model and optimizer when resuming; returns its
     extras (step, history), or None to start afresh."""
-    path = checkpoint_path(config)
-    exists = path.exists() or path.with_name(f".{path.name}.previous").exists()
-    if not exists:
+    # The launcher restarting the ranks after a failure (--max-restarts) means: resume.
+    resuming = config.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    problem = checkpoint_problem(config, resuming)
+    if problem is not None:
+        raise SystemExit(f"fullshard train: {problem}")
+    if not has_checkpoint(config):
         if config.resume:
             logger.info("--resume: no checkpoint in %s yet, starting from step 0", config.out)
         return None
-    # The launcher restarting the ranks after a failure (--max-restarts) means: resume.
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if not (config.resume or restarted):
-        if config.overwrite:
-            return None
-        raise SystemExit(
-            f"fullshard train: {path} already holds a checkpoint; pass --resume to continue "
-            "that run, --overwrite to start afresh (the checkpoint is replaced at the first "
-            "save), or another --out"
-        )
-    metadata = checkpoint.read_metadata(path)
-    saved = metadata["extra"].get("run")
-    if saved != config.run_identity():
-        raise SystemExit(
-            f"fullshard train: the checkpoint in {path} is from another run ({saved}); this "
-            f"run is {config.run_identity()}: resume with the same --preset, --seq-len and "
-            "--seed, or use another --out"
-        )
+    if not resuming:
+        return None  # --overwrite
+    path = checkpoint_path(config)
     extras = checkpoint.load(path, model, optimizer)
     logger.info("resumed from %s at step %d", path, extras["step"])
     return extras
