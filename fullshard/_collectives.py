@@ -18,18 +18,21 @@ Reduce-scatter, worked example with 2 ranks and a 4-element input::
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import zlib
 from collections import Counter, defaultdict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
+
+from . import _shared_memory as _shm
 
 __all__: list[str] = []
 
@@ -39,6 +42,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 _KEPT_LABELS = 100_000
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -170,8 +174,18 @@ def _describe(kind: str, label: str) -> str:
 
 
 class Pending:
-    """A collective in flight. ``wait()`` finishes it (for a ring, runs its remaining steps)
-    or raises `CollectiveError` (see [Note: bounded collectives])."""
+    """A collective in flight. ``wait()`` finishes it or raises `CollectiveError` (see
+    [Note: bounded collectives])."""
+
+    def __init__(self, kind: str, label: str, group: dist.ProcessGroup) -> None:
+        self.kind, self.label, self.group = kind, label, group
+
+    def wait(self) -> bool:
+        raise NotImplementedError
+
+
+class _WorkPending(Pending):
+    """On c10d work handles: for a ring, ``wait()`` runs its remaining steps."""
 
     def __init__(
         self,
@@ -181,7 +195,7 @@ class Pending:
         steps: Iterator[list[dist.Work]],
         waits_on: list[int] | None = None,
     ) -> None:
-        self.kind, self.label, self.group = kind, label, group
+        super().__init__(kind, label, group)
         self._waits_on = waits_on
         """Global ranks this rank receives from, where known (rings); else the group."""
         self._steps = steps
@@ -195,6 +209,7 @@ class Pending:
 
     def wait(self) -> bool:
         timeout = collective_timeout()
+        drain_transports()
         while self._pending is not None:
             for work in self._pending:
                 try:
@@ -208,6 +223,62 @@ class Pending:
         return _named_error(
             error, _describe(self.kind, self.label), self.group, self._waits_on, timeout
         )
+
+
+class _SharedMemoryPending(Pending):
+    """On the shared-memory transport: ``wait()`` copies the pieces out as they arrive."""
+
+    def __init__(
+        self,
+        kind: str,
+        label: str,
+        group: dist.ProcessGroup,
+        transport: _shm.Transport,
+        issue: Callable[[], _shm.Op],
+    ) -> None:
+        super().__init__(kind, label, group)
+        self._transport = transport
+        self._op = self._guarded(issue, None)
+
+    def wait(self) -> bool:
+        timeout = collective_timeout()
+        bound = None if timeout is None else timeout.total_seconds()
+        self._guarded(lambda: self._transport.wait(self._op, bound), timeout)
+        return True
+
+    def _guarded(self, call: Callable[[], _T], timeout: timedelta | None) -> _T:
+        try:
+            return call()
+        except _shm.TransportMismatchError as error:
+            raise CollectiveMismatchError(str(error)) from None
+        except _shm.TransportError as error:
+            raise _transport_error(error, self.group, timeout) from error
+
+
+def _transport_error(
+    error: _shm.TransportError, group: dist.ProcessGroup | None, timeout: timedelta | None
+) -> CollectiveError:
+    op = error.op
+    what = _describe(op.kind, op.label) if op is not None else "a shared-memory collective"
+    return _named_error(error, what, group, [error.peer] if error.peer >= 0 else None, timeout)
+
+
+# [Note: draining]
+# A rank that blocks in some other collective (gloo's, or fullshard's blocking exchanges)
+# while pieces of its shared-memory collectives are still unposted or unread can deadlock
+# ranks that wait for those pieces: with several groups (hybrid sharding) the waits form a
+# cycle. So before fullshard blocks anywhere else (`_WorkPending.wait`, `named`, the
+# FULLSHARD_DEBUG check), it finishes every outstanding shared-memory collective. Issuing
+# never blocks, so collectives of the user's own inside a unit's forward pair up as usual.
+
+
+def drain_transports() -> None:
+    """Finish every outstanding shared-memory collective (see [Note: draining])."""
+    timeout = collective_timeout()
+    try:
+        _shm.drain_all(None if timeout is None else timeout.total_seconds())
+    except _shm.TransportError as error:
+        raise _transport_error(error, None, timeout) from error
 
 
 def _named_error(
@@ -230,7 +301,9 @@ def _named_error(
     else:
         peers = f"one of the other {len(ranks)} ranks of the group is"
     text = str(error)
-    if "Timed out" in text or "timed out" in text or "Timeout" in text:
+    if isinstance(error, _shm.TransportError) and error.reason == "gone":
+        reason = f"failed: {peers} gone (its process died or exited)"
+    elif "Timed out" in text or "timed out" in text or "Timeout" in text:
         bound = f"{timeout.total_seconds():g} s" if timeout else "the process group's timeout"
         reason = f"did not complete within {bound}: {peers} not responding"
     elif "closed" in text or "reset" in text or "Broken pipe" in text:
@@ -249,6 +322,7 @@ def named(what: str, group: dist.ProcessGroup | None = None) -> Iterator[None]:
     barriers: bounded by the process group's timeout): a failure that comes from a lost or
     silent peer becomes a `CollectiveError` naming ``what``; other errors pass unchanged."""
     try:
+        drain_transports()
         yield
     except CollectiveError:
         raise
@@ -279,16 +353,20 @@ def all_gather_into(
         _check_agreement("all_gather", label, output, group)
     COUNTERS.record("all_gather", label, _tensor_bytes(output) * (num_ranks - 1) / num_ranks)
     with record_function(f"fullshard::all_gather({label})"):
+        transport = _shm.transport_for(group, output)
+        if transport is not None:
+            issue = functools.partial(transport.all_gather, output, shard, label)
+            return _SharedMemoryPending("all_gather", label, group, transport, issue)
         if _uses_ring(group, output):
             steps = _ring_all_gather(output, shard, group, _next_tag(group))
-            return Pending("all_gather", label, group, steps, [_neighbours(group)[3]])
+            return _WorkPending("all_gather", label, group, steps, [_neighbours(group)[3]])
         work = _all_gather_single(output, shard, group=group, async_op=True)
     return _issued("all_gather", label, group, work)
 
 
 def _issued(kind: str, label: str, group: dist.ProcessGroup, work: dist.Work | None) -> Pending:
     assert work is not None
-    return Pending(kind, label, group, iter([[work]]))
+    return _WorkPending(kind, label, group, iter([[work]]))
 
 
 def gather_to_first_rank(
@@ -307,17 +385,30 @@ def gather_to_first_rank(
 
 
 def reduce_scatter_into(
-    output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, label: str
+    output: torch.Tensor,
+    full: torch.Tensor,
+    group: dist.ProcessGroup,
+    label: str,
+    *,
+    predivide: float = 1.0,
 ) -> Pending:
-    """Sum ``full`` over ``group`` and leave this rank's equal slice of the sum in ``output``."""
+    """Sum ``full / predivide`` over ``group`` and leave this rank's equal slice of the sum
+    in ``output``. ``full`` may be overwritten. (The shared-memory transport divides while
+    it copies, saving a pass over ``full``; either way each element is ``x / predivide``.)"""
     num_ranks = dist.get_world_size(group)
     if debug_checks_enabled():
         _check_agreement("reduce_scatter", label, full, group)
     COUNTERS.record("reduce_scatter", label, _tensor_bytes(full) * (num_ranks - 1) / num_ranks)
     with record_function(f"fullshard::reduce_scatter({label})"):
+        transport = _shm.transport_for(group, full)
+        if transport is not None:
+            issue = functools.partial(transport.reduce_scatter, output, full, predivide, label)
+            return _SharedMemoryPending("reduce_scatter", label, group, transport, issue)
+        if predivide != 1:
+            full.div_(predivide)
         if _uses_ring(group, full):
             steps = _ring_reduce_scatter(output, full, group, _next_tag(group))
-            return Pending("reduce_scatter", label, group, steps, [_neighbours(group)[3]])
+            return _WorkPending("reduce_scatter", label, group, steps, [_neighbours(group)[3]])
         work = _reduce_scatter_single(output, full, group=group, async_op=True)
     return _issued("reduce_scatter", label, group, work)
 

@@ -6,7 +6,8 @@ GPT (``fullshard.examples.gpt``), on the same data, with Adam, each engine wrapp
 per transformer block. Engines run in rounds (A B C A B C ...) so drift on the machine hits
 them alike. Per engine it reports the median step time, per-rank peak memory added during
 training (CPU: ``VmHWM`` after ``clear_refs``; CUDA: ``max_memory_allocated``), the bytes each
-rank sent per step (CPU: loopback traffic / ranks; fullshard also counts its own), and the
+rank sent per step (CPU: loopback traffic / ranks, plus what fullshard wrote into its
+shared-memory transport), and the
 last loss, which must match DDP's. Each engine's run is a fresh set of processes, so no
 engine inherits another's allocator state. Prints a table with ratios, writes JSON, and
 with ``--plot`` a PNG.
@@ -199,10 +200,11 @@ def _run_engine(
         model = _wrap(engine, GPT(config.gpt()).to(device), args, device)
         optim = torch.optim.Adam(model.parameters(), lr=1e-3)
         baseline = _reset_peak(device)
-        sent_before, counted_before = 0, 0.0
+        sent_before, shared_before, counted_before = 0, 0, 0.0
         for step in range(args.warmup + args.steps):
             if step == args.warmup:
                 sent_before = _loopback_bytes()
+                shared_before = _shared_memory_bytes()
                 counted_before = _fullshard_bytes()
             inputs, targets = _batch(config, rank, step, device)
             if engine != "local":
@@ -224,7 +226,9 @@ def _run_engine(
             result["loss"] = loss.item()
         result["peak_mib"] = _peak(device) - baseline
         if engine != "local":
-            result["bytes"] = (_loopback_bytes() - sent_before) / args.steps / dist.get_world_size()
+            over_loopback = (_loopback_bytes() - sent_before) / dist.get_world_size()
+            over_shared_memory = _shared_memory_bytes() - shared_before
+            result["bytes"] = (over_loopback + over_shared_memory) / args.steps
             if engine == "fullshard":
                 result["counted_bytes"] = (_fullshard_bytes() - counted_before) / args.steps
             total = torch.tensor([result["loss"]], device=device)
@@ -238,6 +242,15 @@ def _run_engine(
 def _autocast(engine: str, args: argparse.Namespace) -> bool:
     """local and DDP get bf16 through autocast; the FSDP engines through their own policy."""
     return args.mixed_precision == "bf16" and engine in ("local", "ddp")
+
+
+def _shared_memory_bytes() -> int:
+    """Bytes this rank wrote into fullshard's shared-memory transport (its sends)."""
+    if "fullshard._shared_memory" not in sys.modules:
+        return 0
+    from fullshard import _shared_memory
+
+    return _shared_memory.BYTES_WRITTEN
 
 
 def _fullshard_bytes() -> float:
@@ -334,6 +347,7 @@ def _predicted_mib(config: BenchConfig, args: argparse.Namespace) -> float:
         args.strategy,
         mixed_precision=args.mixed_precision,
         batch=config.batch,
+        device=args.device,
     )
     return plan.memory.peak_added / 2**20
 

@@ -640,9 +640,9 @@ class FlatParamHandle:
         else:
             predivide, postdivide = gradient_divide_factors(num_dp_ranks)
         grad = grad.to(reduce_dtype)
-        if predivide > 1:
-            grad = grad.div_(predivide)
         if not self.uses_sharded_strategy:
+            if predivide > 1:
+                grad = grad.div_(predivide)
             work: comm.Pending = comm.all_reduce(grad, self.groups.shard, self.label)
             self._pending_reduction = _PendingReduction(work, grad, grad, postdivide)
             return
@@ -650,7 +650,9 @@ class FlatParamHandle:
         if padding:
             grad = torch.nn.functional.pad(grad, (0, padding))
         sharded = grad.new_empty(self.layout.shard_numel)
-        work = comm.reduce_scatter_into(sharded, grad, self.groups.shard, self.label)
+        work = comm.reduce_scatter_into(
+            sharded, grad, self.groups.shard, self.label, predivide=predivide
+        )
         self._pending_reduction = _PendingReduction(work, sharded, grad, postdivide)
 
     def finalize_grad(self) -> None:

@@ -16,10 +16,13 @@ gives the bytes one rank holds at its peak, split the way they are allocated:
   from forward to backward, plus two gradients.
 - ``activations``: what the caller estimates for the model and batch (``gpt_activations``
   for the example GPT).
+- ``staging``: CPU ranks of one host only (``shared_memory_cell_bytes``): the pages of the
+  shared-memory transport's file this rank writes and reads (see
+  [Note: shared-memory transport]): per slot, every rank's cell up to the largest piece.
 
 ``peak_added`` is what training adds on top of the parameters already built:
-``grads + optimizer + unsharded + activations``; the benchmark compares it with the measured
-peak.
+``grads + optimizer + unsharded + activations + staging``; the benchmark compares it with
+the measured peak.
 """
 
 from __future__ import annotations
@@ -44,6 +47,11 @@ Strategy = Union["ShardingStrategy", str]
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 _KEEPS_UNSHARDED_AFTER_FORWARD = ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2")
 _HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+SHARED_MEMORY_SLOTS = 4
+"""``fullshard._shared_memory._SLOTS`` (a test checks they agree)."""
+SHARED_MEMORY_CELL_BYTES = 4 * 2**20
+"""The transport's default cell (``FULLSHARD_SHM_CELL_MIB=4``)."""
+_PAGE = 4096
 
 
 def _strategy_name(strategy: Strategy) -> str:
@@ -62,11 +70,12 @@ class MemoryEstimate:
     optimizer: int
     unsharded: int
     activations: int
+    staging: int = 0
 
     @property
     def peak_added(self) -> int:
         """What training adds to the parameters built before it (the measured quantity)."""
-        return self.grads + self.optimizer + self.unsharded + self.activations
+        return self.grads + self.optimizer + self.unsharded + self.activations + self.staging
 
     @property
     def total(self) -> int:
@@ -89,13 +98,18 @@ def estimate(
     offload_params: bool = False,
     activations: int = 0,
     shard_group_size: int | None = None,
+    reduce_bytes: int | None = None,
+    shared_memory_cell_bytes: int = 0,
 ) -> MemoryEstimate:
     """Per-rank peak memory of training with one FSDP unit per entry of ``unit_numels``
     (the root unit's own parameters in ``root_numel``). ``compute_bytes`` is the compute
     dtype's size (``MixedPrecision.param_dtype``; default ``param_bytes``);
     ``shard_group_size`` the ranks a unit is sharded over (hybrid strategies: the node
     size; default ``world_size``). With ``offload_params`` the shards, gradients and
-    optimizer state are on the CPU and are not counted here."""
+    optimizer state are on the CPU and are not counted here. ``shared_memory_cell_bytes``
+    (CPU ranks on one host: ``FULLSHARD_SHM_CELL_MIB``, 4 MiB by default; 0 otherwise)
+    counts the shared-memory transport's staging; ``reduce_bytes`` is the gradients'
+    reduction dtype's size (default ``compute_bytes``)."""
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     name = _strategy_name(strategy)
@@ -116,7 +130,14 @@ def estimate(
     else:
         unsharded_params = largest + root_numel
     unsharded = (unsharded_params + 2 * largest) * compute_bytes
-    return MemoryEstimate(params, grads, optimizer, unsharded, activations)
+    staging = 0
+    if shared_memory_cell_bytes and name != "NO_SHARD" and shards > 1:
+        shard = _shard(largest, shards)
+        gather_piece = shard * compute_bytes
+        reduce_piece = (shards - 1) * shard * (reduce_bytes or compute_bytes)
+        piece = min(shared_memory_cell_bytes, max(gather_piece, reduce_piece))
+        staging = SHARED_MEMORY_SLOTS * shards * -(-piece // _PAGE) * _PAGE
+    return MemoryEstimate(params, grads, optimizer, unsharded, activations, staging)
 
 
 def _shard_ranks(name: str, world_size: int, shard_group_size: int | None) -> int:

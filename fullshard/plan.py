@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .memory import (
+    SHARED_MEMORY_CELL_BYTES,
     STRATEGIES,
     MemoryEstimate,
     communication_bytes,
@@ -217,6 +218,7 @@ class PlanResult:
     host_bytes: int
     """Model state kept in host memory with ``cpu_offload`` (params, grads, optimizer)."""
     comm_bytes_per_step: int
+    device: str = "cuda"
 
     @property
     def device_total(self) -> int:
@@ -236,6 +238,7 @@ def make_plan(
     batch: int = 1,
     seq_len: int | None = None,
     activation_checkpointing: bool = False,
+    device: str = "cuda",
 ) -> PlanResult:
     """Per-rank memory and communication of training ``shape`` (see the module docstring)."""
     param_bytes = _DTYPE_BYTES[param_dtype]
@@ -265,6 +268,8 @@ def make_plan(
         optim_states_per_param=_OPTIMIZER_STATES[optimizer],
         activations=activations,
         shard_group_size=group,
+        # CPU ranks of one host exchange through shared memory (its staging counts)
+        shared_memory_cell_bytes=SHARED_MEMORY_CELL_BYTES if device == "cpu" else 0,
     )
     memory, host = resident, 0
     if cpu_offload:  # the model state moves to host memory; the rest stays on the device
@@ -291,6 +296,7 @@ def make_plan(
         memory,
         host,
         comm,
+        device,
     )
 
 
@@ -340,7 +346,12 @@ def format_plan(plan: PlanResult, device_memory: int | None = None) -> str:
         f"| optimizer state | {human_bytes(memory.optimizer)} |",
         f"| unsharded units (params and grads in flight) | {human_bytes(memory.unsharded)} |",
         f"| activations (estimate) | {human_bytes(memory.activations)} |",
-        f"| **device total** | **{human_bytes(memory.total)}** |",
+    ]
+    if memory.staging:
+        lines.append(f"| shared-memory transport staging | {human_bytes(memory.staging)} |")
+    lines += [
+        f"| **{'host' if plan.device == 'cpu' else 'device'} total** | "
+        f"**{human_bytes(memory.total)}** |",
     ]
     if plan.cpu_offload:
         lines.append(
@@ -370,6 +381,7 @@ def _plot(plan_at: dict[int, PlanResult], path: str, device_memory: int | None) 
         "optimizer": [plan_at[n].memory.optimizer for n in sizes],
         "unsharded units": [plan_at[n].memory.unsharded for n in sizes],
         "activations": [plan_at[n].memory.activations for n in sizes],
+        "shared-memory staging": [plan_at[n].memory.staging for n in sizes],
     }
     fig, ax = plt.subplots(figsize=(8, 4.5))
     labels = [str(n) for n in sizes]
@@ -421,6 +433,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     setup.add_argument("--batch", type=int, default=1, help="sequences per rank (default 1)")
     setup.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
     setup.add_argument("--activation-checkpointing", action="store_true")
+    setup.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cpu: ranks on one host's CPUs with gloo (counts the shared-memory staging)",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--device-memory", type=parse_bytes, help="e.g. 80GiB: say whether it fits")
     out.add_argument("--json", metavar="PATH", help="write the plan here")
@@ -473,6 +491,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             batch=args.batch,
             seq_len=args.seq_len,
             activation_checkpointing=args.activation_checkpointing,
+            device=args.device,
         )
 
     plan = plan_for(args.world_size)

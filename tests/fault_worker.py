@@ -66,13 +66,13 @@ def main(scenario: str, workdir: Path) -> None:
         issue = comm.reduce_scatter_into
         calls = []
 
-        def dying_reduce_scatter(*args: object) -> comm.Pending:
+        def dying_reduce_scatter(*args: object, **kwargs: object) -> comm.Pending:
             if step == FAULT_STEP:
                 calls.append(1)
                 if len(calls) == 2:
                     _fault(workdir)
                     os._exit(1)
-            return issue(*args)  # type: ignore[arg-type]
+            return issue(*args, **kwargs)  # type: ignore[arg-type]
 
         comm.reduce_scatter_into = dying_reduce_scatter  # type: ignore[assignment]
     if rank == 1 and scenario == "save":

@@ -1,5 +1,7 @@
 """fullshard's collectives on gloo: the point-to-point rings (see [Note: rings on gloo]) give
-what gloo's own all-gather and reduce-scatter give, at every world size."""
+what gloo's own all-gather and reduce-scatter give, at every world size. (The rings carry
+what the shared-memory transport does not: FULLSHARD_SHM=0 here; tests/test_shared_memory.py
+tests that transport.)"""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import torch.distributed as dist
 
 from fullshard import _collectives as comm
 from harness import run_on_ranks
+
+RINGS = {"FULLSHARD_SHM": "0"}
 
 
 def _compare_with_gloo(numel: int, dtype: torch.dtype) -> None:
@@ -40,12 +44,13 @@ def _compare_with_gloo(numel: int, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_rings_match_gloo_collectives(num_ranks: int, dtype: torch.dtype) -> None:
     """Ring reduce-scatter and all-gather equal gloo's (bitwise on 2 ranks)."""
-    run_on_ranks(num_ranks, _compare_with_gloo, 1000, dtype)
+    run_on_ranks(num_ranks, _compare_with_gloo, 1000, dtype, env=RINGS)
 
 
 def test_gloo_rings_can_be_switched_off() -> None:
     """FULLSHARD_GLOO_RINGS=0 uses gloo's own collectives (same results)."""
-    run_on_ranks(2, _compare_with_gloo, 7, torch.float32, env={"FULLSHARD_GLOO_RINGS": "0"})
+    gloo = {**RINGS, "FULLSHARD_GLOO_RINGS": "0"}
+    run_on_ranks(2, _compare_with_gloo, 7, torch.float32, env=gloo)
 
 
 def _overlapping_rings() -> None:
@@ -63,7 +68,8 @@ def _overlapping_rings() -> None:
 
 def test_rings_in_flight_together_do_not_mix() -> None:
     """Concurrent rings, waited in the other order, each get their own data."""
-    run_on_ranks(2, _overlapping_rings)
+    run_on_ranks(2, _overlapping_rings, env=RINGS)
+    run_on_ranks(2, _overlapping_rings)  # the same through the shared-memory transport
 
 
 def test_counters_keep_a_bounded_history_of_labels() -> None:

@@ -56,6 +56,10 @@ def _run_scenario(scenario: str, workdir: Path, env: dict[str, str] | None = Non
     return out.strip().splitlines()[-1] if out.strip() else f"(no output) {err[-3000:]}"
 
 
+TRANSPORTS = {"shared-memory": {}, "gloo": {"FULLSHARD_SHM": "0"}}
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
 @pytest.mark.parametrize(
     ("scenario", "expected"),
     [
@@ -66,11 +70,12 @@ def _run_scenario(scenario: str, workdir: Path, env: dict[str, str] | None = Non
     ],
 )
 def test_survivor_fails_fast_naming_the_operation(
-    scenario: str, expected: str, tmp_path: Path
+    scenario: str, expected: str, transport: str, tmp_path: Path
 ) -> None:
-    """A rank that dies is noticed by the survivor at its next collective with that rank:
-    gloo sees the closed connection, and fullshard's error names the operation and unit."""
-    survivor = _run_scenario(scenario, tmp_path)
+    """A rank that dies is noticed by the survivor at its next collective with that rank
+    (gloo sees the closed connection; the shared-memory transport, the dead rank's released
+    lock), and fullshard's error names the operation and unit."""
+    survivor = _run_scenario(scenario, tmp_path, TRANSPORTS[transport])
     assert survivor.startswith("FAILED "), survivor
     seconds = float(survivor.split()[1])
     assert "CollectiveError" in survivor and expected in survivor, survivor
@@ -78,11 +83,15 @@ def test_survivor_fails_fast_naming_the_operation(
     print(f"{scenario}: survivor failed {seconds:.2f} s after the fault: {survivor}")
 
 
-def test_a_rank_that_stops_responding_is_reported_within_the_bound(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_a_rank_that_stops_responding_is_reported_within_the_bound(
+    transport: str, tmp_path: Path
+) -> None:
     """A rank alive but stuck (it never reaches blocks.1's all-gather): with
     FULLSHARD_COLLECTIVE_TIMEOUT=3 the survivor raises after ~3 s, naming unit and rank."""
     start = time.monotonic()
-    survivor = _run_scenario("hang", tmp_path, {"FULLSHARD_COLLECTIVE_TIMEOUT": "3"})
+    env = {"FULLSHARD_COLLECTIVE_TIMEOUT": "3", **TRANSPORTS[transport]}
+    survivor = _run_scenario("hang", tmp_path, env)
     assert survivor.startswith("FAILED "), survivor
     seconds = float(survivor.split()[1])
     assert (

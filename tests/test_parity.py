@@ -176,3 +176,27 @@ def test_each_rank_holds_one_shard_after_wrapping(strategy: str) -> None:
             assert local == total
         else:
             assert total / 2 <= local <= total / 2 + 2 * 30  # at most one element pad per unit
+
+
+TRANSPORTS = {
+    "shared-memory": {"FULLSHARD_SHM_CELL_MIB": str(4096 / 2**20)},  # many pieces per unit
+    "rings": {"FULLSHARD_SHM": "0"},
+    "gloo": {"FULLSHARD_SHM": "0", "FULLSHARD_GLOO_RINGS": "0"},
+}
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_ddp_parity_over_each_transport(transport: str, num_ranks: int) -> None:
+    """The same training matches DDP whichever transport carries the all-gathers and
+    reduce-scatters. The other tests run on the default (shared memory, 4 MiB cells); here
+    its cells are one page, so every unit's collectives take many pieces."""
+    run_on_ranks(
+        num_ranks,
+        _run_parity,
+        "transformer",
+        "module_wrap_policy",
+        "FULL_SHARD",
+        False,
+        env=TRANSPORTS[transport],
+    )

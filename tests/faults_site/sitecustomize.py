@@ -34,10 +34,10 @@ if _FAULT and os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RES
             _die_on("all_gather", label, 11 if label == "blocks.1" else -1)
         return _all_gather(output, shard, group, label)
 
-    def reduce_scatter_into(output, full, group, label):  # type: ignore[no-untyped-def]
+    def reduce_scatter_into(output, full, group, label, **kwargs):  # type: ignore[no-untyped-def]
         if _FAULT == "backward":
             _die_on("reduce_scatter", label, 6 if label == "blocks.0" else -1)
-        return _reduce_scatter(output, full, group, label)
+        return _reduce_scatter(output, full, group, label, **kwargs)
 
     def save(*args, **kwargs):  # type: ignore[no-untyped-def]
         if _FAULT == "save":

@@ -1,0 +1,531 @@
+"""The shared-memory transport: all-gather and reduce-scatter between ranks on one host.
+
+[Note: shared-memory transport]
+gloo moves every byte between two ranks on one host through the loopback TCP stack: the
+kernel copies it into a socket buffer in the sender's thread and out again in the
+receiver's, and gloo's own threads, which do that work, compete with the ranks' compute
+threads for the cores. Measured on this project's 2-core machine (compute benchmark config):
+sending one 1.5 MiB shard cost 0.82 ms of the caller's time, and fullshard's steps spent
+~60 ms more than a local step issuing and waiting on collectives.
+
+When every rank of a gloo group can map the same file in ``/dev/shm``, fullshard moves the
+all-gathers and reduce-scatters of CPU tensors through that file instead. It has, per rank
+and per slot (``_SLOTS`` slots used round-robin), a cell of ``FULLSHARD_SHM_CELL_MIB`` MiB
+(default 4) that only that rank writes, and three flags per rank and slot that only that
+rank writes:
+
+- ``posted[q, s] = p + 1``: rank q wrote its part of piece p into its cell of slot s;
+- ``signature[q, s]``: what that piece belongs to (kind, element count, dtype), written
+  first, so ranks that run different collectives get an error instead of each other's bytes;
+- ``consumed[q, s] = p + 1``: rank q finished reading piece p from every cell of slot s.
+
+A collective is cut into pieces that fit a cell; pieces are numbered in issue order, which
+is the same on every rank, and piece p uses slot ``p % _SLOTS``. A rank may write piece p
+once every rank has consumed piece ``p - _SLOTS`` (the slot's previous use), and reads it
+once every rank has posted it. Issuing a collective posts the pieces it can at once and
+returns; ``wait()`` makes progress on every outstanding piece, in order, until its own are
+read. A rank is only ever blocked on pieces every rank has already issued or will issue
+before blocking itself, so there is no deadlock. The copies run in the caller's thread;
+there are no transport threads.
+
+- all-gather: rank q writes its shard (a range of it per piece); every rank copies the
+  others' ranges into its output.
+- reduce-scatter: rank q writes, for every other rank d, the range of its chunk d; rank r
+  sums chunk r over all ranks in rank order (on 2 ranks ``a + b == b + a`` bitwise, so the
+  result equals gloo's and the rings').
+
+Waits are bounded like every other collective (see [Note: bounded collectives]): a rank
+holds a lock on one byte of the file for its lifetime, so a waiter tells a dead peer (the
+lock is free) from a slow one (the bound runs out). The file is unlinked as soon as every
+rank has mapped it, so a crash cannot leave it behind. The flags are plain aligned 8-byte
+stores and loads, written after the data they publish: correct under x86-64's total store
+order, so the transport is only used on x86-64; elsewhere, and with FULLSHARD_SHM=0, gloo
+(with fullshard's rings, [Note: rings on gloo]) carries everything.
+
+Memory: each rank maps the whole file, and the pages it writes or reads count towards its
+resident size (they are shared, so the host holds them once): at most
+``_SLOTS * world_size * cell`` bytes, and for collectives smaller than a cell only the part
+they touch (`resident_bytes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import platform
+import secrets
+import time
+import weakref
+import zlib
+from collections import deque
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__: list[str] = []
+
+_SLOTS = 4
+_TOKEN_BYTES = 16
+_PAGE = 4096
+_DEFAULT_CELL_MIB = 4.0
+_SHM_DIR = "/dev/shm"
+BYTES_WRITTEN = 0
+"""Bytes this process has written into transports' files: what it sent to its peers."""
+_ORDERED_STORES = platform.machine() in ("x86_64", "AMD64")
+"""Whether this CPU keeps stores in order (x86-64's total store order): see the note."""
+
+
+class TransportError(RuntimeError):
+    """A piece did not arrive: ``reason`` is "timeout", "gone" or "failed" (an earlier
+    collective of the group failed); ``peer`` the global rank (-1: unknown);
+    ``op`` the collective being waited for."""
+
+    def __init__(self, message: str, reason: str, peer: int) -> None:
+        super().__init__(message)
+        self.reason, self.peer = reason, peer
+        self.op: Op | None = None
+
+
+class TransportMismatchError(RuntimeError):
+    """Ranks paired different collectives on the transport."""
+
+
+def _cell_bytes() -> int:
+    value = os.environ.get("FULLSHARD_SHM_CELL_MIB", str(_DEFAULT_CELL_MIB))
+    try:
+        mib = float(value)
+    except ValueError:
+        raise ValueError(f"FULLSHARD_SHM_CELL_MIB={value!r} is not a number of MiB") from None
+    if not 0 < mib <= 1024:
+        raise ValueError(f"FULLSHARD_SHM_CELL_MIB must be in (0, 1024], got {value}")
+    return max(_PAGE, int(mib * 2**20) // _PAGE * _PAGE)
+
+
+def _group_timeout(group: dist.ProcessGroup) -> float:
+    """The process group's own timeout in seconds (torch's default where unreadable)."""
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+        return float(backend.options._timeout.total_seconds())
+    except (AttributeError, RuntimeError):
+        return 1800.0
+
+
+# -- one collective, as pieces --------------------------------------------------------------
+
+
+class Op:
+    """A collective's pieces: what this rank writes into its cell, and reads out of all."""
+
+    def __init__(self, kind: str, numel: int, dtype: torch.dtype, piece_numel: int) -> None:
+        self.kind, self.label = kind, ""
+        self.numel, self.piece_numel = numel, max(1, piece_numel)
+        self.num_pieces = -(-numel // self.piece_numel)
+        code = f"{kind}/{numel}/{dtype}".encode()
+        self.signature = zlib.crc32(code)
+        self.first_piece = -1
+        """Global number of this op's first piece, set when issued."""
+
+    def bounds(self, piece: int) -> tuple[int, int]:
+        start = (piece - self.first_piece) * self.piece_numel
+        return start, min(start + self.piece_numel, self.numel)
+
+    def post(self, piece: int, cell: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def consume(self, piece: int, cells: list[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+
+class _AllGather(Op):
+    def __init__(
+        self, output: torch.Tensor, shard: torch.Tensor, rank: int, num_ranks: int, cell: int
+    ) -> None:
+        super().__init__("all_gather", shard.numel(), shard.dtype, cell // shard.element_size())
+        self.shard, self.rank = shard, rank
+        self.chunks = output.chunk(num_ranks)  # (shard numel,) each
+        self.chunks[rank].copy_(shard)
+
+    def post(self, piece: int, cell: torch.Tensor) -> None:
+        start, end = self.bounds(piece)
+        cell.view(self.shard.dtype)[: end - start].copy_(self.shard[start:end])
+
+    def consume(self, piece: int, cells: list[torch.Tensor]) -> None:
+        start, end = self.bounds(piece)
+        for peer, cell in enumerate(cells):
+            if peer != self.rank:
+                self.chunks[peer][start:end].copy_(cell.view(self.shard.dtype)[: end - start])
+
+
+class _ReduceScatter(Op):
+    """Rank q's cell holds, for every other rank d in order, a range of q's chunk d divided
+    by ``predivide``: the division rides on the copy instead of a pass of its own."""
+
+    def __init__(
+        self,
+        output: torch.Tensor,
+        full: torch.Tensor,
+        predivide: float,
+        rank: int,
+        num_ranks: int,
+        cell: int,
+    ) -> None:
+        per_peer = cell // full.element_size() // (num_ranks - 1)
+        super().__init__("reduce_scatter", output.numel(), full.dtype, per_peer)
+        self.output, self.rank, self.num_ranks, self.dtype = output, rank, num_ranks, full.dtype
+        self.predivide = predivide
+        self.chunks = full.chunk(num_ranks)  # (output numel,) each
+
+    def _sub_cell(self, cell: torch.Tensor, index: int, length: int) -> torch.Tensor:
+        start = index * self.piece_numel
+        return cell.view(self.dtype)[start : start + length]
+
+    def _divided(self, source: torch.Tensor, out: torch.Tensor) -> None:
+        if self.predivide == 1:
+            out.copy_(source)
+        else:
+            torch.div(source, self.predivide, out=out)
+
+    def post(self, piece: int, cell: torch.Tensor) -> None:
+        start, end = self.bounds(piece)
+        for dest in range(self.num_ranks):
+            if dest != self.rank:
+                index = dest - (dest > self.rank)
+                self._divided(
+                    self.chunks[dest][start:end], self._sub_cell(cell, index, end - start)
+                )
+
+    def consume(self, piece: int, cells: list[torch.Tensor]) -> None:
+        # This rank's own term first, then the others' in rank order: a fixed order, and on
+        # 2 ranks the same bits as any other reduce-scatter (a + b == b + a).
+        start, end = self.bounds(piece)
+        out = self.output[start:end]
+        self._divided(self.chunks[self.rank][start:end], out)
+        for source, cell in enumerate(cells):
+            if source != self.rank:
+                out.add_(self._sub_cell(cell, self.rank - (self.rank > source), end - start))
+
+
+# -- the transport of one group -------------------------------------------------------------
+
+
+class Transport:
+    """The shared file of one group, this rank's place in it, and its outstanding pieces."""
+
+    def __init__(
+        self,
+        fd: int,
+        mapping: mmap.mmap,
+        rank: int,
+        global_ranks: list[int],
+        cell_bytes: int,
+        timeout_s: float,
+    ) -> None:
+        self._fd, self._mapping = fd, mapping
+        self.rank, self.global_ranks = rank, global_ranks
+        self.num_ranks = len(global_ranks)
+        self.cell_bytes, self.timeout_s = cell_bytes, timeout_s
+        flags = np.frombuffer(
+            mapping, dtype=np.int64, count=3 * self.num_ranks * _SLOTS, offset=_TOKEN_BYTES
+        ).reshape(3, self.num_ranks, _SLOTS)
+        self._posted, self._consumed, self._signature = flags[0], flags[1], flags[2]
+        data = torch.frombuffer(mapping, dtype=torch.uint8, offset=_data_offset(self.num_ranks))
+        # cells[s][q]: rank q's cell of slot s
+        self._cells = [
+            [
+                data[
+                    (s * self.num_ranks + q) * cell_bytes : (s * self.num_ranks + q + 1)
+                    * cell_bytes
+                ]
+                for q in range(self.num_ranks)
+            ]
+            for s in range(_SLOTS)
+        ]
+        self._ops: deque[Op] = deque()
+        """Issued ops with pieces not yet consumed here, in issue order."""
+        self._issued = 0
+        """Pieces issued so far (the next op's first piece)."""
+        self._next_post = 0
+        self._next_consume = 0
+        self.failed = False
+        """A collective failed: the process group is unusable, like gloo's after an error."""
+        self.max_touched = [0] * _SLOTS
+        """Per slot, the most bytes of a cell any piece used (for `resident_bytes`)."""
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+    # -- issuing and waiting ----------------------------------------------------------------
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, label: str) -> Op:
+        op = _AllGather(output, shard, self.rank, self.num_ranks, self.cell_bytes)
+        return self._issue(op, label)
+
+    def reduce_scatter(
+        self, output: torch.Tensor, full: torch.Tensor, predivide: float, label: str
+    ) -> Op:
+        op = _ReduceScatter(output, full, predivide, self.rank, self.num_ranks, self.cell_bytes)
+        return self._issue(op, label)
+
+    def _issue(self, op: Op, label: str) -> Op:
+        """Post what can be posted now, without blocking (see the note)."""
+        op.label = label
+        if self.failed:
+            error = TransportError("an earlier collective of this group failed", "failed", -1)
+            error.op = op
+            raise error
+        op.first_piece = self._issued
+        self._issued += op.num_pieces
+        if op.num_pieces:
+            self._ops.append(op)
+            try:
+                self._progress()
+            except TransportMismatchError:
+                self.failed = True
+                raise
+        return op
+
+    def wait(self, op: Op, timeout_s: float | None) -> None:
+        """Progress until every piece of ``op`` is read (see the note); raise
+        `TransportError` after ``timeout_s`` (None: the group's timeout) or on a dead peer."""
+        bound = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            self._wait(op, bound)
+        except TransportError as error:
+            error.op = op
+            self.failed = True
+            raise
+        except TransportMismatchError:
+            self.failed = True
+            raise
+
+    def drain(self, timeout_s: float | None) -> None:
+        """Finish every outstanding collective (before this rank blocks elsewhere). A
+        transport whose collective failed is left alone: its group cannot be used again."""
+        if self._ops and not self.failed:
+            self.wait(self._ops[-1], timeout_s)
+
+    def _wait(self, op: Op, bound: float) -> None:
+        end = op.first_piece + op.num_pieces
+        if self._next_consume >= end:
+            return
+        started = time.monotonic()
+        idle = 0
+        next_check = started + 0.02
+        while True:
+            if self._progress():
+                idle = 0
+            if self._next_consume >= end:
+                return
+            idle += 1
+            if idle < 64:
+                os.sched_yield()
+            else:
+                time.sleep(min(2e-4, 1e-5 * (idle - 63)))
+            now = time.monotonic()
+            if now >= next_check:
+                self._check_peers(now - started, bound)
+                next_check = now + 0.02
+
+    def _progress(self) -> bool:
+        """Post and read every piece that can be, in order; whether anything moved."""
+        moved = False
+        while self._next_post < self._issued and self._slot_free(self._next_post):
+            self._post(self._next_post)
+            self._next_post += 1
+            moved = True
+        while self._next_consume < self._next_post and self._arrived(self._next_consume):
+            self._consume(self._next_consume)
+            self._next_consume += 1
+            moved = True
+        return moved
+
+    def _op_of(self, piece: int) -> Op:
+        for op in self._ops:
+            if op.first_piece <= piece < op.first_piece + op.num_pieces:
+                return op
+        raise AssertionError(f"fullshard internal error: no op holds piece {piece}")
+
+    def _slot_free(self, piece: int) -> bool:
+        previous = piece - _SLOTS
+        return previous < 0 or bool((self._consumed[:, piece % _SLOTS] > previous).all())
+
+    def _arrived(self, piece: int) -> bool:
+        return bool((self._posted[:, piece % _SLOTS] > piece).all())
+
+    def _post(self, piece: int) -> None:
+        slot = piece % _SLOTS
+        op = self._op_of(piece)
+        op.post(piece, self._cells[slot][self.rank])
+        self._signature[self.rank, slot] = op.signature
+        self._posted[self.rank, slot] = piece + 1  # after the data: see the note
+        global BYTES_WRITTEN
+        BYTES_WRITTEN += _piece_bytes(op, piece)
+
+    def _consume(self, piece: int) -> None:
+        slot = piece % _SLOTS
+        op = self._op_of(piece)
+        for peer in range(self.num_ranks):
+            if self._signature[peer, slot] != op.signature:
+                raise TransportMismatchError(
+                    f"fullshard: rank {self.global_ranks[peer]} ran a different collective "
+                    f"than this rank (rank {self.global_ranks[self.rank]}) at the same point. "
+                    "Every rank must run the same FSDP units in the same order, with the same "
+                    "model, wrap policy, sharding strategy and precision; FULLSHARD_DEBUG=1 "
+                    "names the collectives each rank ran"
+                )
+        op.consume(piece, self._cells[slot])
+        self.max_touched[slot] = max(self.max_touched[slot], _piece_bytes(op, piece))
+        self._consumed[self.rank, slot] = piece + 1
+        if piece + 1 == op.first_piece + op.num_pieces:
+            self._ops.remove(op)
+
+    def _check_peers(self, waited_s: float, bound_s: float) -> None:
+        """Raise `TransportError` for a dead peer, or once the bound has run out."""
+        behind: set[int] = set()
+        if self._next_post < self._issued:  # the slot's previous piece is still being read
+            previous = self._next_post - _SLOTS
+            behind.update(np.nonzero(self._consumed[:, self._next_post % _SLOTS] <= previous)[0])
+        if self._next_consume < self._next_post:  # the piece is not written everywhere yet
+            piece = self._next_consume
+            behind.update(np.nonzero(self._posted[:, piece % _SLOTS] <= piece)[0])
+        behind.discard(self.rank)
+        for peer in sorted(int(q) for q in behind):
+            if not self._alive(peer):
+                raise TransportError(
+                    f"rank {self.global_ranks[peer]}'s process ended (shared-memory transport)",
+                    "gone",
+                    self.global_ranks[peer],
+                )
+        if waited_s >= bound_s:
+            peers = [self.global_ranks[int(q)] for q in sorted(behind)]
+            raise TransportError(
+                f"timed out after {waited_s:.1f} s waiting for rank(s) {peers} "
+                "(shared-memory transport)",
+                "timeout",
+                peers[0] if peers else -1,
+            )
+
+    def _alive(self, peer: int) -> bool:
+        """Whether ``peer`` still holds its lock byte (see the note)."""
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, peer)
+        except OSError:
+            return True
+        fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, peer)
+        return False
+
+    def resident_bytes(self) -> int:
+        """Bytes of the file this rank has touched, by the largest piece seen per slot."""
+        return sum(-(-used // _PAGE) * _PAGE for used in self.max_touched) * self.num_ranks
+
+
+def _piece_bytes(op: Op, piece: int) -> int:
+    """Bytes a rank writes into its cell for ``piece``."""
+    start, end = op.bounds(piece)
+    return (end - start) * _element_size(op) * _cells_per_rank(op)
+
+
+def _element_size(op: Op) -> int:
+    if isinstance(op, _AllGather):
+        return op.shard.element_size()
+    assert isinstance(op, _ReduceScatter)
+    return op.output.element_size()
+
+
+def _cells_per_rank(op: Op) -> int:
+    return op.num_ranks - 1 if isinstance(op, _ReduceScatter) else 1
+
+
+def _data_offset(num_ranks: int) -> int:
+    header = _TOKEN_BYTES + 3 * num_ranks * _SLOTS * 8
+    return -(-header // _PAGE) * _PAGE
+
+
+# -- setup ----------------------------------------------------------------------------------
+
+_TRANSPORTS: weakref.WeakKeyDictionary[dist.ProcessGroup, Transport | None] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def transport_for(group: dist.ProcessGroup, tensor: torch.Tensor) -> Transport | None:
+    """The transport for a collective over ``group`` on ``tensor``, or None to use gloo: for
+    CUDA tensors, with FULLSHARD_SHM=0, off x86-64, for NCCL groups, and where the ranks
+    cannot share a file (other hosts, no /dev/shm). Set up at the group's first eligible
+    collective, which every rank reaches at the same point."""
+    if tensor.device.type != "cpu" or os.environ.get("FULLSHARD_SHM", "1") == "0":
+        return None
+    try:
+        return _TRANSPORTS[group]
+    except KeyError:
+        pass
+    transport = None
+    if dist.get_world_size(group) > 1 and dist.get_backend(group) == dist.Backend.GLOO:
+        transport = _set_up(group)
+    _TRANSPORTS[group] = transport
+    if transport is not None:
+        weakref.finalize(group, transport.close)
+    return transport
+
+
+def drain_all(timeout_s: float | None) -> None:
+    """Finish every outstanding collective of every transport of this process: called
+    before fullshard blocks in any other collective (see [Note: draining])."""
+    for transport in list(_TRANSPORTS.values()):
+        if transport is not None:
+            transport.drain(timeout_s)
+
+
+def _set_up(group: dist.ProcessGroup) -> Transport | None:
+    from ._collectives import named
+
+    rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
+    global_ranks = dist.get_process_group_ranks(group)
+    cell_bytes = _cell_bytes()
+    size = _data_offset(num_ranks) + _SLOTS * num_ranks * cell_bytes
+    offer: list[Any] = [None, None]
+    fd = -1
+    if rank == 0 and _ORDERED_STORES:
+        name = f"fullshard-{os.getpid()}-{secrets.token_hex(8)}"
+        token = secrets.token_bytes(_TOKEN_BYTES)
+        try:
+            fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.ftruncate(fd, size)
+            os.pwrite(fd, token, 0)
+            offer = [name, token]
+        except OSError:
+            if fd >= 0:
+                os.close(fd)
+                os.unlink(os.path.join(_SHM_DIR, name))
+                fd = -1
+    with named("the shared-memory transport's setup", group):
+        dist.broadcast_object_list(offer, src=global_ranks[0], group=group)
+    name, token = offer
+    mapping = None
+    if name is not None:
+        try:
+            if rank != 0:
+                fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDWR)
+            mapping = mmap.mmap(fd, size)
+            if mapping[:_TOKEN_BYTES] != token or not _ORDERED_STORES:  # e.g. another host
+                raise OSError("cannot share the file")
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, rank)
+        except OSError:
+            mapping = None
+    ok = torch.tensor([0 if mapping is None else 1])
+    with named("the shared-memory transport's setup", group):
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if rank == 0 and name is not None:
+        os.unlink(os.path.join(_SHM_DIR, name))  # every rank has it open, or gave up
+    if not ok.item():
+        if fd >= 0:
+            os.close(fd)
+        return None
+    assert mapping is not None
+    timeout = _group_timeout(group)
+    return Transport(fd, mapping, rank, global_ranks, cell_bytes, timeout)

@@ -1,0 +1,221 @@
+"""The shared-memory transport (see [Note: shared-memory transport]): the same results as
+gloo's collectives for any sizes, dtypes, world sizes and orders of waiting; pieces larger
+than a cell; mismatches and fallbacks."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fullshard import _collectives as comm
+from fullshard import _shared_memory as shm
+from harness import RankError, run_on_ranks
+
+pytestmark = pytest.mark.skipif(
+    not shm._ORDERED_STORES, reason="the transport runs on x86-64 only (see its note)"
+)
+
+TINY_CELLS = {"FULLSHARD_SHM_CELL_MIB": str(4096 / 2**20)}  # one page: 1024 fp32 per cell
+
+
+def _uses_transport(group: dist.ProcessGroup) -> bool:
+    return shm._TRANSPORTS.get(group) is not None
+
+
+def _random_schedule(seed: int, num_ops: int, in_flight: int) -> None:
+    """Issue ``num_ops`` random all-gathers and reduce-scatters (sizes, dtypes, divisors)
+    with up to ``in_flight`` outstanding, waiting them in a random order; every result must
+    equal what gloo's own collectives give on the same inputs (computed first: a rank must
+    not block in gloo while its transport has pieces outstanding, see [Note: draining])."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    schedule = random.Random(seed)  # the same on every rank: the collectives must match
+    data = torch.Generator().manual_seed(1000 * seed + rank)  # different on every rank
+    ops = []
+    for _ in range(num_ops):
+        numel = schedule.choice([0, 1, 7, 1000, 1024, 3001, 5000])
+        dtype = schedule.choice([torch.float32, torch.bfloat16, torch.float16])
+        if schedule.random() < 0.5:
+            shard = torch.randn(numel, generator=data).to(dtype)
+            expected = torch.empty(numel * num_ranks, dtype=dtype)
+            dist.all_gather_into_tensor(expected, shard)
+            ops.append(("all_gather", shard, expected, 1.0))
+        else:
+            predivide = schedule.choice([1.0, float(num_ranks), 3.0])
+            full = torch.randn(numel * num_ranks, generator=data).to(dtype)
+            # The transport's sum: this rank's term first, then the others in rank order.
+            divided = [torch.empty_like(full) for _ in range(num_ranks)]
+            dist.all_gather(divided, full / predivide)
+            chunks = [tensor.chunk(num_ranks)[rank] if numel else tensor for tensor in divided]
+            expected = chunks[rank].clone()
+            for source in range(num_ranks):
+                if source != rank:
+                    expected.add_(chunks[source])
+            ops.append(("reduce_scatter", full, expected, predivide))
+    outstanding: list[tuple[comm.Pending, torch.Tensor, torch.Tensor]] = []
+
+    def finish(index: int) -> None:
+        pending, result, expected = outstanding.pop(index)
+        pending.wait()
+        torch.testing.assert_close(result, expected, rtol=0, atol=0)
+
+    for kind, source, expected, predivide in ops:
+        result = torch.full_like(expected, float("nan"))
+        if kind == "all_gather":
+            pending = comm.all_gather_into(result, source, group, "test")
+        else:
+            pending = comm.reduce_scatter_into(result, source, group, "t", predivide=predivide)
+        outstanding.append((pending, result, expected))
+        if len(outstanding) >= in_flight:
+            finish(schedule.randrange(len(outstanding)))
+    while outstanding:
+        finish(schedule.randrange(len(outstanding)))
+    assert _uses_transport(group)
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3, 4])
+@pytest.mark.parametrize("in_flight", [1, 3, 9])
+def test_random_collectives_equal_gloo(num_ranks: int, in_flight: int) -> None:
+    """Pieces larger than a cell (1024 fp32), zero-size ops, up to 9 collectives outstanding
+    over 4 slots (issue cannot post them all: `wait` does), waited in random order."""
+    run_on_ranks(num_ranks, _random_schedule, num_ranks, 40, in_flight, env=TINY_CELLS)
+
+
+def test_random_collectives_equal_gloo_default_cells() -> None:
+    run_on_ranks(2, _random_schedule, 7, 30, 3)
+
+
+def _two_rank_bitwise() -> None:
+    """On 2 ranks the reduce-scatter is one addition: bitwise gloo's, with the division."""
+    rank = dist.get_rank()
+    full = torch.randn(4000, generator=torch.Generator().manual_seed(rank))
+    expected = torch.empty(2000)
+    dist.reduce_scatter_tensor(expected, full / 2)
+    result = torch.empty(2000)
+    comm.reduce_scatter_into(result, full.clone(), dist.group.WORLD, "t", predivide=2.0).wait()
+    assert torch.equal(result, expected)
+
+
+def test_two_rank_reduce_scatter_is_bitwise_gloos() -> None:
+    run_on_ranks(2, _two_rank_bitwise, env=TINY_CELLS)
+
+
+def _mismatched_sizes() -> None:
+    rank = dist.get_rank()
+    numel = 10 if rank == 0 else 12
+    output = torch.empty(2 * numel)
+    comm.all_gather_into(output, torch.ones(numel), dist.group.WORLD, "blocks.0").wait()
+
+
+def test_ranks_running_different_collectives_get_an_error() -> None:
+    """Where gloo would hang or mix bytes, the transport's signatures catch the difference."""
+    with pytest.raises(RankError) as error:
+        run_on_ranks(2, _mismatched_sizes)
+    assert "CollectiveMismatchError" in str(error.value)
+    assert "ran a different collective than this rank" in str(error.value)
+
+
+def _falls_back(broken_rank: int) -> bool:
+    """Setup fails on ``broken_rank`` (no shared directory): every rank then uses gloo."""
+    if dist.get_rank() == broken_rank:
+        shm._SHM_DIR = "/nonexistent-fullshard-test"
+    try:
+        group = dist.new_group(list(range(dist.get_world_size())))
+        rank = dist.get_rank()
+        output = torch.empty(4)
+        comm.all_gather_into(output, torch.full((2,), float(rank)), group, "t").wait()
+        assert output.tolist() == [0.0, 0.0, 1.0, 1.0]
+        return _uses_transport(group)
+    finally:
+        shm._SHM_DIR = "/dev/shm"
+
+
+@pytest.mark.parametrize("broken_rank", [0, 1])
+def test_a_rank_that_cannot_share_the_file_makes_all_use_gloo(broken_rank: int) -> None:
+    """If the creator or a joiner cannot map the file (e.g. another host), no rank uses
+    the transport for that group, and results are the same."""
+    assert run_on_ranks(2, _falls_back, broken_rank) == [False, False]
+
+
+def _leaves_no_file() -> list[str]:
+    group = dist.new_group([0, 1])
+    output = torch.empty(2)
+    comm.all_gather_into(output, torch.ones(1), group, "t").wait()
+    assert _uses_transport(group)
+    return sorted(name for name in os.listdir("/dev/shm") if name.startswith("fullshard-"))
+
+
+def test_the_file_is_unlinked_once_every_rank_has_it() -> None:
+    """No file is left in /dev/shm (a crash later cannot leak it)."""
+    before = {name for name in os.listdir("/dev/shm") if name.startswith("fullshard-")}
+    left = run_on_ranks(2, _leaves_no_file)
+    assert set(left[0]) <= before and set(left[1]) <= before
+
+
+def _switched_off() -> bool:
+    group = dist.new_group([0, 1])
+    output = torch.empty(2)
+    comm.all_gather_into(output, torch.ones(1), group, "t").wait()
+    return group in shm._TRANSPORTS
+
+
+def test_fullshard_shm_0_uses_gloo() -> None:
+    assert run_on_ranks(2, _switched_off, env={"FULLSHARD_SHM": "0"}) == [False, False]
+
+
+def test_cell_size_must_be_sensible() -> None:
+    os.environ["FULLSHARD_SHM_CELL_MIB"] = "lots"
+    try:
+        with pytest.raises(ValueError, match="FULLSHARD_SHM_CELL_MIB='lots' is not a number"):
+            shm._cell_bytes()
+        os.environ["FULLSHARD_SHM_CELL_MIB"] = "0"
+        with pytest.raises(ValueError, match=r"must be in \(0, 1024\]"):
+            shm._cell_bytes()
+    finally:
+        del os.environ["FULLSHARD_SHM_CELL_MIB"]
+
+
+def _staging_after_steps(num_ranks: int) -> tuple[int, int]:
+    """Train 3 steps of 3 equal units (as transformer blocks are); return the bytes of the
+    transport's file this rank touched and the memory model's staging for the units."""
+    from torch import nn
+
+    from fullshard import FullyShardedDataParallel as FSDP
+    from fullshard.memory import estimate
+
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(*[FSDP(nn.Linear(200, 200)) for _ in range(3)]))
+    for _ in range(3):
+        model(torch.randn(2, 200)).sum().backward()
+    transport = shm._TRANSPORTS[dist.group.WORLD]
+    assert transport is not None
+    cell = shm._cell_bytes()
+    predicted = estimate([200 * 200 + 200] * 3, num_ranks, shared_memory_cell_bytes=cell)
+    return transport.resident_bytes(), predicted.staging
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+@pytest.mark.parametrize("cell", ["4 MiB", "16 KiB"])
+def test_memory_model_bounds_the_staging_the_transport_touches(num_ranks: int, cell: str) -> None:
+    """`fullshard.memory.estimate`'s staging bounds the bytes the transport touched, and
+    equals them once the largest pieces fill the cells (16 KiB cells; with 4 MiB cells, a
+    slot that only ever carried smaller pieces touched less)."""
+    mib = "4" if cell == "4 MiB" else str(16384 / 2**20)
+    results = run_on_ranks(
+        num_ranks, _staging_after_steps, num_ranks, env={"FULLSHARD_SHM_CELL_MIB": mib}
+    )
+    for touched, predicted in results:
+        assert 0 < touched <= predicted, (touched, predicted)
+        if cell == "16 KiB":
+            assert touched == predicted
+
+
+def test_the_memory_model_uses_the_transports_slot_count() -> None:
+    from fullshard.memory import SHARED_MEMORY_CELL_BYTES, SHARED_MEMORY_SLOTS
+
+    assert SHARED_MEMORY_SLOTS == shm._SLOTS
+    assert int(shm._DEFAULT_CELL_MIB * 2**20) == SHARED_MEMORY_CELL_BYTES
