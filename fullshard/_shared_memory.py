@@ -69,6 +69,10 @@ import torch.distributed as dist
 __all__: list[str] = []
 
 _SLOTS = 4
+_SPIN_S = 0.002
+"""A waiting rank first yields its core in a loop this long (a peer is usually close)..."""
+_SLEEP_S = 1e-4
+"""...then sleeps this long between looks (the peer is far behind, or the host is busy)."""
 _TOKEN_BYTES = 16
 _PAGE = 4096
 _DEFAULT_CELL_MIB = 4.0
@@ -313,20 +317,18 @@ class Transport:
         end = op.first_piece + op.num_pieces
         if self._next_consume >= end:
             return
-        started = time.monotonic()
-        idle = 0
+        started = idle_since = time.monotonic()
         next_check = started + 0.02
         while True:
             if self._progress():
-                idle = 0
+                idle_since = time.monotonic()
             if self._next_consume >= end:
                 return
-            idle += 1
-            if idle < 64:
+            now = time.monotonic()
+            if now - idle_since < _SPIN_S:
                 os.sched_yield()
             else:
-                time.sleep(min(2e-4, 1e-5 * (idle - 63)))
-            now = time.monotonic()
+                time.sleep(_SLEEP_S)
             if now >= next_check:
                 self._check_peers(now - started, bound)
                 next_check = now + 0.02
