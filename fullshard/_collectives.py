@@ -1,7 +1,11 @@
 """Asynchronous collectives over explicit tensors and a group, with byte counters.
 
-Every function issues its collective with ``async_op=True`` and returns the c10d work
-handle: callers issue early and wait where the data is needed. Each call is recorded in
+Every function issues its collective and returns a `Pending`: callers issue early and wait
+where the data is needed. Three transports carry them: on gloo groups whose ranks share a
+host, all-gathers and reduce-scatters of CPU tensors go through shared memory
+([Note: shared-memory transport] in ``_shared_memory.py``); other gloo all-gathers and
+reduce-scatters run as rings of ``isend``/``irecv`` ([Note: rings on gloo]); everything
+else is c10d's own collective with ``async_op=True``. Each call is recorded in
 ``COUNTERS`` (one per process) with the bytes one rank sends, by the ring estimate:
 
 - all-gather of a padded buffer of B bytes over N ranks: ``B * (N - 1) / N``

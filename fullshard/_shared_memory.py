@@ -15,8 +15,9 @@ and per slot (``_SLOTS`` slots used round-robin), a cell of ``FULLSHARD_SHM_CELL
 rank writes:
 
 - ``posted[q, s] = p + 1``: rank q wrote its part of piece p into its cell of slot s;
-- ``signature[q, s]``: what that piece belongs to (kind, element count, dtype), written
-  first, so ranks that run different collectives get an error instead of each other's bytes;
+- ``signature[q, s]``: what that piece belongs to (kind, unit, element count, dtype),
+  written first, so ranks that run different collectives get an error instead of each
+  other's bytes;
 - ``consumed[q, s] = p + 1``: rank q finished reading piece p from every cell of slot s.
 
 A collective is cut into pieces that fit a cell; pieces are numbered in issue order, which
@@ -42,21 +43,24 @@ stores and loads, written after the data they publish: correct under x86-64's to
 order, so the transport is only used on x86-64; elsewhere, and with FULLSHARD_SHM=0, gloo
 (with fullshard's rings, [Note: rings on gloo]) carries everything.
 
-Memory: each rank maps the whole file, and the pages it writes or reads count towards its
-resident size (they are shared, so the host holds them once): at most
-``_SLOTS * world_size * cell`` bytes, and for collectives smaller than a cell only the part
-they touch (`resident_bytes`).
+Memory: the file, ``_SLOTS * world_size * cell`` bytes (32 MiB for 2 ranks), is allocated
+once for the host when the group first communicates; where ``/dev/shm`` cannot hold it, the
+group uses gloo. Each rank maps all of it, and the pages it writes or reads count towards
+its resident size: for collectives smaller than a cell only the part they touch
+(`resident_bytes`; ``fullshard.memory`` counts it as ``staging``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import mmap
 import os
 import platform
 import secrets
 import time
+import warnings
 import weakref
 import zlib
 from collections import deque
@@ -125,11 +129,13 @@ class Op:
     """A collective's pieces: what this rank writes into its cell, and reads out of all."""
 
     def __init__(self, kind: str, numel: int, dtype: torch.dtype, piece_numel: int) -> None:
-        self.kind, self.label = kind, ""
+        self.kind, self.label, self.dtype = kind, "", dtype
+        self.full_numel = 0
+        """The unsharded tensor's element count (as `_collectives` names collectives)."""
         self.numel, self.piece_numel = numel, max(1, piece_numel)
         self.num_pieces = -(-numel // self.piece_numel)
-        code = f"{kind}/{numel}/{dtype}".encode()
-        self.signature = zlib.crc32(code)
+        self.signature = 0
+        """What every rank's piece must agree on (kind, unit, size, dtype), set when issued."""
         self.first_piece = -1
         """Global number of this op's first piece, set when issued."""
 
@@ -149,7 +155,7 @@ class _AllGather(Op):
         self, output: torch.Tensor, shard: torch.Tensor, rank: int, num_ranks: int, cell: int
     ) -> None:
         super().__init__("all_gather", shard.numel(), shard.dtype, cell // shard.element_size())
-        self.shard, self.rank = shard, rank
+        self.shard, self.rank, self.full_numel = shard, rank, output.numel()
         self.chunks = output.chunk(num_ranks)  # (shard numel,) each
         self.chunks[rank].copy_(shard)
 
@@ -180,7 +186,7 @@ class _ReduceScatter(Op):
         per_peer = cell // full.element_size() // (num_ranks - 1)
         super().__init__("reduce_scatter", output.numel(), full.dtype, per_peer)
         self.output, self.rank, self.num_ranks, self.dtype = output, rank, num_ranks, full.dtype
-        self.predivide = predivide
+        self.predivide, self.full_numel = predivide, full.numel()
         self.chunks = full.chunk(num_ranks)  # (output numel,) each
 
     def _sub_cell(self, cell: torch.Tensor, index: int, length: int) -> torch.Tensor:
@@ -278,6 +284,7 @@ class Transport:
     def _issue(self, op: Op, label: str) -> Op:
         """Post what can be posted now, without blocking (see the note)."""
         op.label = label
+        op.signature = zlib.crc32(f"{op.kind}/{label}/{op.numel}/{op.dtype}".encode())
         if self.failed:
             error = TransportError("an earlier collective of this group failed", "failed", -1)
             error.op = op
@@ -373,12 +380,14 @@ class Transport:
         op = self._op_of(piece)
         for peer in range(self.num_ranks):
             if self._signature[peer, slot] != op.signature:
+                unit = "the root module" if op.label == "(root)" else f"module {op.label}"
+                mine = f"{op.kind.replace('_', '-')} of {unit} of {op.full_numel} x {op.dtype}"
                 raise TransportMismatchError(
                     f"fullshard: rank {self.global_ranks[peer]} ran a different collective "
-                    f"than this rank (rank {self.global_ranks[self.rank]}) at the same point. "
-                    "Every rank must run the same FSDP units in the same order, with the same "
-                    "model, wrap policy, sharding strategy and precision; FULLSHARD_DEBUG=1 "
-                    "names the collectives each rank ran"
+                    f"than this rank (rank {self.global_ranks[self.rank]}: {mine}) at the same "
+                    "point. Every rank must run the same FSDP units in the same order, with "
+                    "the same model, wrap policy, sharding strategy and precision; "
+                    "FULLSHARD_DEBUG=1 names the collectives each rank ran"
                 )
         op.consume(piece, self._cells[slot])
         self.max_touched[slot] = max(self.max_touched[slot], _piece_bytes(op, piece))
@@ -488,26 +497,38 @@ def _set_up(group: dist.ProcessGroup) -> Transport | None:
 
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
     global_ranks = dist.get_process_group_ranks(group)
-    cell_bytes = _cell_bytes()
+    cell_bytes = _cell_bytes()  # every rank checks its setting; rank 0's is used
     size = _data_offset(num_ranks) + _SLOTS * num_ranks * cell_bytes
-    offer: list[Any] = [None, None]
+    offer: list[Any] = [None, None, cell_bytes]
     fd = -1
     if rank == 0 and _ORDERED_STORES:
         name = f"fullshard-{os.getpid()}-{secrets.token_hex(8)}"
         token = secrets.token_bytes(_TOKEN_BYTES)
         try:
             fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.ftruncate(fd, size)
+            # Reserve every page now: a /dev/shm too small for the file (containers default
+            # to 64 MiB) fails here and the group uses gloo, instead of a SIGBUS later.
+            os.posix_fallocate(fd, 0, size)
             os.pwrite(fd, token, 0)
-            offer = [name, token]
-        except OSError:
+            offer = [name, token, cell_bytes]
+        except OSError as error:
+            if error.errno == errno.ENOSPC:
+                warnings.warn(
+                    f"fullshard: {_SHM_DIR} cannot hold the shared-memory transport's "
+                    f"{size / 2**20:.0f} MiB for a group of {num_ranks} ranks, so its "
+                    "collectives go over gloo (slower). Give the host or container more shared "
+                    "memory (docker run --shm-size=1g) or set FULLSHARD_SHM_CELL_MIB lower "
+                    f"(now {cell_bytes / 2**20:g})",
+                    stacklevel=2,
+                )
             if fd >= 0:
                 os.close(fd)
                 os.unlink(os.path.join(_SHM_DIR, name))
                 fd = -1
     with named("the shared-memory transport's setup", group):
         dist.broadcast_object_list(offer, src=global_ranks[0], group=group)
-    name, token = offer
+    name, token, cell_bytes = offer
+    size = _data_offset(num_ranks) + _SLOTS * num_ranks * cell_bytes
     mapping = None
     if name is not None:
         try:
@@ -517,7 +538,7 @@ def _set_up(group: dist.ProcessGroup) -> Transport | None:
             if mapping[:_TOKEN_BYTES] != token or not _ORDERED_STORES:  # e.g. another host
                 raise OSError("cannot share the file")
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, rank)
-        except OSError:
+        except (OSError, ValueError):
             mapping = None
     ok = torch.tensor([0 if mapping is None else 1])
     with named("the shared-memory transport's setup", group):

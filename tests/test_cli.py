@@ -47,7 +47,8 @@ def test_plan_matches_the_benchmarks_measured_peak(config: str) -> None:
     shape = PRESETS[f"bench-{config}"]
     assert shape == bench_shape(bench)
     assert shape.params == num_params(GPT(bench.gpt())) == record["params"]
-    plan = make_plan(shape, record["args"]["world_size"], batch=bench.batch)
+    args = record["args"]
+    plan = make_plan(shape, args["world_size"], batch=bench.batch, device=args["device"])
     predicted = plan.memory.peak_added / 2**20
     assert abs(predicted - measured) / measured <= 0.15, (predicted, measured)
     assert predicted == pytest.approx(record["predicted_fullshard_peak_mib"], rel=0.02)

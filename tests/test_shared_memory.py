@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import warnings
 
 import pytest
 import torch
@@ -111,34 +112,68 @@ def _mismatched_sizes() -> None:
     comm.all_gather_into(output, torch.ones(numel), dist.group.WORLD, "blocks.0").wait()
 
 
-def test_ranks_running_different_collectives_get_an_error() -> None:
-    """Where gloo would hang or mix bytes, the transport's signatures catch the difference."""
+def _skipped_unit() -> None:
+    """Rank 1 skips blocks.1 (rank-dependent control flow); the units have equal sizes."""
+    for unit in ("blocks.0", "blocks.1", "blocks.2"):
+        if unit == "blocks.1" and dist.get_rank() == 1:
+            continue
+        comm.all_gather_into(torch.empty(8), torch.ones(4), dist.group.WORLD, unit).wait()
+
+
+@pytest.mark.parametrize("mistake", ["sizes", "skipped_unit"])
+def test_ranks_running_different_collectives_get_an_error(mistake: str) -> None:
+    """Where gloo would abort, hang or silently mix two units' bytes (equal sizes), the
+    transport's signatures catch the difference, without FULLSHARD_DEBUG."""
     with pytest.raises(RankError) as error:
-        run_on_ranks(2, _mismatched_sizes)
-    assert "CollectiveMismatchError" in str(error.value)
-    assert "ran a different collective than this rank" in str(error.value)
+        run_on_ranks(2, _mismatched_sizes if mistake == "sizes" else _skipped_unit)
+    text = str(error.value)
+    assert "CollectiveMismatchError" in text
+    if mistake == "sizes":
+        assert "rank 1 ran a different collective than this rank (rank 0: all-gather of " in text
+        assert "module blocks.0 of 20 x torch.float32)" in text
+    else:
+        assert "(rank 0: all-gather of module blocks.1 of 8 x torch.float32)" in text
+        assert "(rank 1: all-gather of module blocks.2 of 8 x torch.float32)" in text
 
 
-def _falls_back(broken_rank: int) -> bool:
-    """Setup fails on ``broken_rank`` (no shared directory): every rank then uses gloo."""
+def _no_space(fd: int, offset: int, length: int) -> None:
+    raise OSError(28, "No space left on device")
+
+
+def _falls_back(broken_rank: int, why: str) -> bool:
+    """Setup fails on ``broken_rank``: no shared directory there, or (rank 0) a /dev/shm too
+    small for the file. Every rank then uses gloo."""
+    fallocate = os.posix_fallocate
     if dist.get_rank() == broken_rank:
-        shm._SHM_DIR = "/nonexistent-fullshard-test"
+        if why == "no_directory":
+            shm._SHM_DIR = "/nonexistent-fullshard-test"
+        else:
+            os.posix_fallocate = _no_space
     try:
         group = dist.new_group(list(range(dist.get_world_size())))
         rank = dist.get_rank()
         output = torch.empty(4)
-        comm.all_gather_into(output, torch.full((2,), float(rank)), group, "t").wait()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            comm.all_gather_into(output, torch.full((2,), float(rank)), group, "t").wait()
+        if why == "no_space" and rank == 0:
+            assert any(
+                "cannot hold the shared-memory transport's" in str(w.message) for w in caught
+            )
         assert output.tolist() == [0.0, 0.0, 1.0, 1.0]
         return _uses_transport(group)
     finally:
         shm._SHM_DIR = "/dev/shm"
+        os.posix_fallocate = fallocate
 
 
-@pytest.mark.parametrize("broken_rank", [0, 1])
-def test_a_rank_that_cannot_share_the_file_makes_all_use_gloo(broken_rank: int) -> None:
-    """If the creator or a joiner cannot map the file (e.g. another host), no rank uses
-    the transport for that group, and results are the same."""
-    assert run_on_ranks(2, _falls_back, broken_rank) == [False, False]
+@pytest.mark.parametrize(
+    ("broken_rank", "why"), [(0, "no_directory"), (1, "no_directory"), (0, "no_space")]
+)
+def test_a_rank_that_cannot_share_the_file_makes_all_use_gloo(broken_rank: int, why: str) -> None:
+    """If the creator or a joiner cannot map the file (e.g. another host), or /dev/shm
+    cannot hold it, no rank uses the transport for that group, and results are the same."""
+    assert run_on_ranks(2, _falls_back, broken_rank, why) == [False, False]
 
 
 def _leaves_no_file() -> list[str]:
