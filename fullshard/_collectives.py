@@ -281,6 +281,8 @@ def drain_transports() -> None:
     timeout = collective_timeout()
     try:
         _shm.drain_all(None if timeout is None else timeout.total_seconds())
+    except _shm.TransportMismatchError as error:
+        raise CollectiveMismatchError(str(error)) from None
     except _shm.TransportError as error:
         raise _transport_error(error, None, timeout) from error
 

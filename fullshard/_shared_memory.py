@@ -98,6 +98,11 @@ class TransportError(RuntimeError):
         self.op: Op | None = None
 
 
+_EARLIER_FAILURE = (
+    "an earlier collective of this group failed on this rank; the first error says why"
+)
+
+
 class TransportMismatchError(RuntimeError):
     """Ranks paired different collectives on the transport."""
 
@@ -190,8 +195,9 @@ class _ReduceScatter(Op):
         self.chunks = full.chunk(num_ranks)  # (output numel,) each
 
     def _sub_cell(self, cell: torch.Tensor, index: int, length: int) -> torch.Tensor:
-        start = index * self.piece_numel
-        return cell.view(self.dtype)[start : start + length]
+        # Placed by this piece's length (every rank knows it), so a piece smaller than a
+        # cell touches only (num_ranks - 1) * length elements of it.
+        return cell.view(self.dtype)[index * length : (index + 1) * length]
 
     def _divided(self, source: torch.Tensor, out: torch.Tensor) -> None:
         if self.predivide == 1:
@@ -286,7 +292,7 @@ class Transport:
         op.label = label
         op.signature = zlib.crc32(f"{op.kind}/{label}/{op.numel}/{op.dtype}".encode())
         if self.failed:
-            error = TransportError("an earlier collective of this group failed", "failed", -1)
+            error = TransportError(_EARLIER_FAILURE, "failed", -1)
             error.op = op
             raise error
         op.first_piece = self._issued
@@ -304,6 +310,10 @@ class Transport:
         """Progress until every piece of ``op`` is read (see the note); raise
         `TransportError` after ``timeout_s`` (None: the group's timeout) or on a dead peer."""
         bound = self.timeout_s if timeout_s is None else timeout_s
+        if self.failed and self._next_consume < op.first_piece + op.num_pieces:
+            error = TransportError(_EARLIER_FAILURE, "failed", -1)
+            error.op = op
+            raise error
         try:
             self._wait(op, bound)
         except TransportError as error:
@@ -327,7 +337,9 @@ class Transport:
         started = idle_since = time.monotonic()
         next_check = started + 0.02
         while True:
-            if self._progress():
+            # Every transport of this process moves: a peer blocked on another group's
+            # pieces of ours must not wait for this one to finish first.
+            if self._progress() | _progress_others(self):
                 idle_since = time.monotonic()
             if self._next_consume >= end:
                 return
@@ -484,67 +496,90 @@ def transport_for(group: dist.ProcessGroup, tensor: torch.Tensor) -> Transport |
     return transport
 
 
+def _live_transports() -> list[Transport]:
+    return [t for t in list(_TRANSPORTS.values()) if t is not None and not t.failed]
+
+
+def _progress_others(waiting: Transport) -> bool:
+    moved = False
+    for transport in _live_transports():
+        if transport is not waiting and transport._ops:
+            try:
+                moved |= transport._progress()
+            except TransportMismatchError:
+                transport.failed = True
+                raise
+    return moved
+
+
 def drain_all(timeout_s: float | None) -> None:
     """Finish every outstanding collective of every transport of this process: called
-    before fullshard blocks in any other collective (see [Note: draining])."""
-    for transport in list(_TRANSPORTS.values()):
-        if transport is not None:
-            transport.drain(timeout_s)
+    before fullshard blocks in any other collective (see [Note: draining]). Each wait moves
+    every transport, so the order of the groups here cannot deadlock."""
+    for transport in _live_transports():
+        transport.drain(timeout_s)
+
+
+_SETUP = (
+    "the shared-memory transport's setup (every rank must set FULLSHARD_SHM and "
+    "FULLSHARD_SHM_CELL_MIB alike)"
+)
 
 
 def _set_up(group: dist.ProcessGroup) -> Transport | None:
+    """Create the group's file on its first rank, map it everywhere, unlink it. A first
+    vote makes sure every rank is here before the file exists (so a rank that never arrives
+    cannot leave it behind); where any rank cannot take part, every rank gets None."""
     from ._collectives import named
 
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
     global_ranks = dist.get_process_group_ranks(group)
     cell_bytes = _cell_bytes()  # every rank checks its setting; rank 0's is used
+    ready = torch.tensor([1 if _ORDERED_STORES else 0])
+    with named(_SETUP, group):
+        dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=group)
+    if not ready.item():
+        return None
     size = _data_offset(num_ranks) + _SLOTS * num_ranks * cell_bytes
     offer: list[Any] = [None, None, cell_bytes]
     fd = -1
-    if rank == 0 and _ORDERED_STORES:
-        name = f"fullshard-{os.getpid()}-{secrets.token_hex(8)}"
-        token = secrets.token_bytes(_TOKEN_BYTES)
-        try:
-            fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            # Reserve every page now: a /dev/shm too small for the file (containers default
-            # to 64 MiB) fails here and the group uses gloo, instead of a SIGBUS later.
-            os.posix_fallocate(fd, 0, size)
-            os.pwrite(fd, token, 0)
-            offer = [name, token, cell_bytes]
-        except OSError as error:
-            if error.errno == errno.ENOSPC:
-                warnings.warn(
-                    f"fullshard: {_SHM_DIR} cannot hold the shared-memory transport's "
-                    f"{size / 2**20:.0f} MiB for a group of {num_ranks} ranks, so its "
-                    "collectives go over gloo (slower). Give the host or container more shared "
-                    "memory (docker run --shm-size=1g) or set FULLSHARD_SHM_CELL_MIB lower "
-                    f"(now {cell_bytes / 2**20:g})",
-                    stacklevel=2,
-                )
-            if fd >= 0:
-                os.close(fd)
-                os.unlink(os.path.join(_SHM_DIR, name))
-                fd = -1
-    with named("the shared-memory transport's setup", group):
-        dist.broadcast_object_list(offer, src=global_ranks[0], group=group)
-    name, token, cell_bytes = offer
-    size = _data_offset(num_ranks) + _SLOTS * num_ranks * cell_bytes
-    mapping = None
-    if name is not None:
-        try:
-            if rank != 0:
-                fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDWR)
-            mapping = mmap.mmap(fd, size)
-            if mapping[:_TOKEN_BYTES] != token or not _ORDERED_STORES:  # e.g. another host
-                raise OSError("cannot share the file")
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, rank)
-        except (OSError, ValueError):
-            mapping = None
-    ok = torch.tensor([0 if mapping is None else 1])
-    with named("the shared-memory transport's setup", group):
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    if rank == 0 and name is not None:
-        os.unlink(os.path.join(_SHM_DIR, name))  # every rank has it open, or gave up
+    path = None
+    try:
+        if rank == 0:
+            path = os.path.join(_SHM_DIR, f"fullshard-{os.getpid()}-{secrets.token_hex(8)}")
+            fd = _create(path, size, num_ranks, cell_bytes)
+            if fd < 0:
+                path = None
+            else:
+                token = secrets.token_bytes(_TOKEN_BYTES)
+                os.pwrite(fd, token, 0)
+                offer = [os.path.basename(path), token, cell_bytes]
+        with named(_SETUP, group):
+            dist.broadcast_object_list(offer, src=global_ranks[0], group=group)
+        name, token, cell_bytes = offer
+        size = _data_offset(num_ranks) + _SLOTS * num_ranks * cell_bytes
+        mapping = None
+        if name is not None:
+            try:
+                if rank != 0:
+                    fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDWR)
+                mapping = mmap.mmap(fd, size)
+                if mapping[:_TOKEN_BYTES] != token:  # a file of that name on another host
+                    raise OSError("cannot share the file")
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, rank)
+            except (OSError, ValueError):
+                mapping = None
+        ok = torch.tensor([0 if mapping is None else 1])
+        with named(_SETUP, group):
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        raise
+    finally:
+        if path is not None:  # every rank has it open, gave up, or failed
+            with contextlib.suppress(OSError):
+                os.unlink(path)
     if not ok.item():
         if fd >= 0:
             os.close(fd)
@@ -552,3 +587,29 @@ def _set_up(group: dist.ProcessGroup) -> Transport | None:
     assert mapping is not None
     timeout = _group_timeout(group)
     return Transport(fd, mapping, rank, global_ranks, cell_bytes, timeout)
+
+
+def _create(path: str, size: int, num_ranks: int, cell_bytes: int) -> int:
+    """The new file's descriptor with every page reserved, or -1 (a warning says why where
+    /dev/shm is too small: containers default to 64 MiB). Reserving now means a full
+    /dev/shm sends the group to gloo instead of killing a rank with SIGBUS later."""
+    fd = -1
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.posix_fallocate(fd, 0, size)
+        return fd
+    except OSError as error:
+        if error.errno == errno.ENOSPC:
+            warnings.warn(
+                f"fullshard: {_SHM_DIR} cannot hold the shared-memory transport's "
+                f"{size / 2**20:.0f} MiB for a group of {num_ranks} ranks, so its "
+                "collectives go over gloo (slower). Give the host or container more shared "
+                "memory (docker run --shm-size=1g) or set FULLSHARD_SHM_CELL_MIB lower "
+                f"(now {cell_bytes / 2**20:g})",
+                stacklevel=4,
+            )
+        if fd >= 0:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        return -1

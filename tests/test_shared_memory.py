@@ -254,3 +254,48 @@ def test_the_memory_model_uses_the_transports_slot_count() -> None:
 
     assert SHARED_MEMORY_SLOTS == shm._SLOTS
     assert int(shm._DEFAULT_CELL_MIB * 2**20) == SHARED_MEMORY_CELL_BYTES
+
+
+def _three_groups_waiting_in_a_cycle() -> None:
+    """Groups {0,2}, {0,1}, {1,2}; each rank issues a many-piece all-gather on both of its
+    groups, then waits them in an order that makes each rank wait on a peer that is itself
+    waiting on another group: only a wait that moves every transport completes."""
+    rank = dist.get_rank()
+    groups = {pair: dist.new_group(list(pair)) for pair in [(0, 2), (0, 1), (1, 2)]}
+    mine = [pair for pair in groups if rank in pair]  # issue order: the same within a group
+    waits = {0: [(0, 1), (0, 2)], 1: [(1, 2), (0, 1)], 2: [(0, 2), (1, 2)]}[rank]
+    for pair in mine:  # set every transport up first (a setup drains the others)
+        comm.all_gather_into(torch.empty(2), torch.ones(1), groups[pair], "setup").wait()
+    numel = 10 * 1024  # 10 pieces of one page per rank, over 4 slots
+    pending = {}
+    for pair in mine:
+        output = torch.empty(2 * numel)
+        shard = torch.full((numel,), float(rank))
+        pending[pair] = (comm.all_gather_into(output, shard, groups[pair], str(pair)), output)
+    for pair in waits:
+        work, output = pending[pair]
+        work.wait()
+        assert output[:numel].eq(pair[0]).all() and output[numel:].eq(pair[1]).all()
+
+
+def test_waits_across_groups_do_not_deadlock() -> None:
+    run_on_ranks(
+        3,
+        _three_groups_waiting_in_a_cycle,
+        env={**TINY_CELLS, "FULLSHARD_COLLECTIVE_TIMEOUT": "20"},
+        timeout=90,
+    )
+
+
+def _mismatch_found_while_draining() -> None:
+    rank = dist.get_rank()
+    numel = 10 if rank == 0 else 12
+    comm.all_gather_into(torch.empty(2 * numel), torch.ones(numel), dist.group.WORLD, "b.0")
+    comm.all_reduce(torch.ones(1), dist.group.WORLD, "clip_grad_norm_").wait()  # drains first
+
+
+def test_a_mismatch_first_seen_while_draining_is_a_collective_mismatch_error() -> None:
+    with pytest.raises(RankError) as error:
+        run_on_ranks(2, _mismatch_found_while_draining)
+    assert "CollectiveMismatchError" in str(error.value)
+    assert "TransportMismatchError" not in str(error.value)
