@@ -24,10 +24,12 @@ A collective is cut into pieces that fit a cell; pieces are numbered in issue or
 is the same on every rank, and piece p uses slot ``p % _SLOTS``. A rank may write piece p
 once every rank has consumed piece ``p - _SLOTS`` (the slot's previous use), and reads it
 once every rank has posted it. Issuing a collective posts the pieces it can at once and
-returns; ``wait()`` makes progress on every outstanding piece, in order, until its own are
-read. A rank is only ever blocked on pieces every rank has already issued or will issue
-before blocking itself, so there is no deadlock. The copies run in the caller's thread;
-there are no transport threads.
+returns; ``wait()`` makes progress on every outstanding piece, in order, of every transport
+of the process (a peer may be waiting for this rank's pieces in another group), until its
+own are read. A rank is only ever blocked on pieces every rank has already issued or will
+issue before blocking itself, so there is no deadlock; before it blocks anywhere else it
+drains the transport ([Note: draining] in ``_collectives.py``). The copies run in the
+caller's thread; there are no transport threads.
 
 - all-gather: rank q writes its shard (a range of it per piece); every rank copies the
   others' ranges into its output.
