@@ -79,6 +79,9 @@ _SPIN_S = 0.002
 """A waiting rank first yields its core in a loop this long (a peer is usually close)..."""
 _SLEEP_S = 1e-4
 """...then sleeps this long between looks (the peer is far behind, or the host is busy)."""
+_CHECK_S = 0.002
+"""How often a waiting rank looks at its peers' locks: a dead peer is reported within this
+(a launcher such as torchrun may stop the survivors soon after a death, before it prints)."""
 _TOKEN_BYTES = 16
 _PAGE = 4096
 _DEFAULT_CELL_MIB = 4.0
@@ -337,7 +340,7 @@ class Transport:
         if self._next_consume >= end:
             return
         started = idle_since = time.monotonic()
-        next_check = started + 0.02
+        next_check = started + _CHECK_S
         while True:
             # Every transport of this process moves: a peer blocked on another group's
             # pieces of ours must not wait for this one to finish first.
@@ -352,7 +355,7 @@ class Transport:
                 time.sleep(_SLEEP_S)
             if now >= next_check:
                 self._check_peers(now - started, bound)
-                next_check = now + 0.02
+                next_check = now + _CHECK_S
 
     def _progress(self) -> bool:
         """Post and read every piece that can be, in order; whether anything moved."""
