@@ -30,7 +30,7 @@ from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,7 +46,6 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 _KEPT_LABELS = 100_000
-_T = TypeVar("_T")
 
 
 @dataclass
@@ -242,29 +241,32 @@ class _SharedMemoryPending(Pending):
     ) -> None:
         super().__init__(kind, label, group)
         self._transport = transport
-        self._op = self._guarded(issue, None)
+        with _transport_errors(group, None):
+            self._op = issue()
 
     def wait(self) -> bool:
         timeout = collective_timeout()
-        bound = None if timeout is None else timeout.total_seconds()
-        self._guarded(lambda: self._transport.wait(self._op, bound), timeout)
+        with _transport_errors(self.group, timeout):
+            self._transport.wait(self._op, _seconds(timeout))
         return True
 
-    def _guarded(self, call: Callable[[], _T], timeout: timedelta | None) -> _T:
-        try:
-            return call()
-        except _shm.TransportMismatchError as error:
-            raise CollectiveMismatchError(str(error)) from None
-        except _shm.TransportError as error:
-            raise _transport_error(error, self.group, timeout) from error
+
+def _seconds(timeout: timedelta | None) -> float | None:
+    return None if timeout is None else timeout.total_seconds()
 
 
-def _transport_error(
-    error: _shm.TransportError, group: dist.ProcessGroup | None, timeout: timedelta | None
-) -> CollectiveError:
-    op = error.op
-    what = _describe(op.kind, op.label) if op is not None else "a shared-memory collective"
-    return _named_error(error, what, group, [error.peer] if error.peer >= 0 else None, timeout)
+@contextlib.contextmanager
+def _transport_errors(group: dist.ProcessGroup | None, timeout: timedelta | None) -> Iterator[None]:
+    """The transport's failures as fullshard's public errors, naming the collective."""
+    try:
+        yield
+    except _shm.TransportMismatchError as error:
+        raise CollectiveMismatchError(str(error)) from None
+    except _shm.TransportError as error:
+        op = error.op
+        what = _describe(op.kind, op.label) if op is not None else "a shared-memory collective"
+        peers = [error.peer] if error.peer >= 0 else None
+        raise _named_error(error, what, group, peers, timeout) from error
 
 
 # [Note: draining]
@@ -279,12 +281,8 @@ def _transport_error(
 def drain_transports() -> None:
     """Finish every outstanding shared-memory collective (see [Note: draining])."""
     timeout = collective_timeout()
-    try:
-        _shm.drain_all(None if timeout is None else timeout.total_seconds())
-    except _shm.TransportMismatchError as error:
-        raise CollectiveMismatchError(str(error)) from None
-    except _shm.TransportError as error:
-        raise _transport_error(error, None, timeout) from error
+    with _transport_errors(None, timeout):
+        _shm.drain_all(_seconds(timeout))
 
 
 def _named_error(

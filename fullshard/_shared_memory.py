@@ -72,9 +72,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .memory import SHARED_MEMORY_CELL_BYTES, SHARED_MEMORY_SLOTS
+
 __all__: list[str] = []
 
-_SLOTS = 4
+_SLOTS = SHARED_MEMORY_SLOTS
 _SPIN_S = 0.002
 """A waiting rank first yields its core in a loop this long (a peer is usually close)..."""
 _SLEEP_S = 1e-4
@@ -84,7 +86,6 @@ _CHECK_S = 0.002
 (a launcher such as torchrun may stop the survivors soon after a death, before it prints)."""
 _TOKEN_BYTES = 16
 _PAGE = 4096
-_DEFAULT_CELL_MIB = 4.0
 _SHM_DIR = "/dev/shm"
 BYTES_WRITTEN = 0
 """Bytes this process has written into transports' files: what it sent to its peers."""
@@ -113,7 +114,7 @@ class TransportMismatchError(RuntimeError):
 
 
 def _cell_bytes() -> int:
-    value = os.environ.get("FULLSHARD_SHM_CELL_MIB", str(_DEFAULT_CELL_MIB))
+    value = os.environ.get("FULLSHARD_SHM_CELL_MIB", str(SHARED_MEMORY_CELL_BYTES / 2**20))
     try:
         mib = float(value)
     except ValueError:
@@ -138,6 +139,9 @@ def _group_timeout(group: dist.ProcessGroup) -> float:
 class Op:
     """A collective's pieces: what this rank writes into its cell, and reads out of all."""
 
+    cells_per_rank = 1
+    """How many of a piece's ranges a rank writes into its cell."""
+
     def __init__(self, kind: str, numel: int, dtype: torch.dtype, piece_numel: int) -> None:
         self.kind, self.label, self.dtype = kind, "", dtype
         self.full_numel = 0
@@ -152,6 +156,11 @@ class Op:
     def bounds(self, piece: int) -> tuple[int, int]:
         start = (piece - self.first_piece) * self.piece_numel
         return start, min(start + self.piece_numel, self.numel)
+
+    def piece_bytes(self, piece: int) -> int:
+        """Bytes a rank writes into its cell for ``piece``."""
+        start, end = self.bounds(piece)
+        return (end - start) * self.dtype.itemsize * self.cells_per_rank
 
     def post(self, piece: int, cell: torch.Tensor) -> None:
         raise NotImplementedError
@@ -195,7 +204,8 @@ class _ReduceScatter(Op):
     ) -> None:
         per_peer = cell // full.element_size() // (num_ranks - 1)
         super().__init__("reduce_scatter", output.numel(), full.dtype, per_peer)
-        self.output, self.rank, self.num_ranks, self.dtype = output, rank, num_ranks, full.dtype
+        self.output, self.rank, self.num_ranks = output, rank, num_ranks
+        self.cells_per_rank = num_ranks - 1
         self.predivide, self.full_numel = predivide, full.numel()
         self.chunks = full.chunk(num_ranks)  # (output numel,) each
 
@@ -390,7 +400,7 @@ class Transport:
         self._signature[self.rank, slot] = op.signature
         self._posted[self.rank, slot] = piece + 1  # after the data: see the note
         global BYTES_WRITTEN
-        BYTES_WRITTEN += _piece_bytes(op, piece)
+        BYTES_WRITTEN += op.piece_bytes(piece)
 
     def _consume(self, piece: int) -> None:
         slot = piece % _SLOTS
@@ -407,7 +417,7 @@ class Transport:
                     "FULLSHARD_DEBUG=1 names the collectives each rank ran"
                 )
         op.consume(piece, self._cells[slot])
-        self.max_touched[slot] = max(self.max_touched[slot], _piece_bytes(op, piece))
+        self.max_touched[slot] = max(self.max_touched[slot], op.piece_bytes(piece))
         self._consumed[self.rank, slot] = piece + 1
         if piece + 1 == op.first_piece + op.num_pieces:
             self._ops.remove(op)
@@ -450,23 +460,6 @@ class Transport:
     def resident_bytes(self) -> int:
         """Bytes of the file this rank has touched, by the largest piece seen per slot."""
         return sum(-(-used // _PAGE) * _PAGE for used in self.max_touched) * self.num_ranks
-
-
-def _piece_bytes(op: Op, piece: int) -> int:
-    """Bytes a rank writes into its cell for ``piece``."""
-    start, end = op.bounds(piece)
-    return (end - start) * _element_size(op) * _cells_per_rank(op)
-
-
-def _element_size(op: Op) -> int:
-    if isinstance(op, _AllGather):
-        return op.shard.element_size()
-    assert isinstance(op, _ReduceScatter)
-    return op.output.element_size()
-
-
-def _cells_per_rank(op: Op) -> int:
-    return op.num_ranks - 1 if isinstance(op, _ReduceScatter) else 1
 
 
 def _data_offset(num_ranks: int) -> int:

@@ -48,9 +48,9 @@ STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRI
 _KEEPS_UNSHARDED_AFTER_FORWARD = ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2")
 _HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 SHARED_MEMORY_SLOTS = 4
-"""``fullshard._shared_memory._SLOTS`` (a test checks they agree)."""
+"""The shared-memory transport's slots (``fullshard._shared_memory`` uses this constant)."""
 SHARED_MEMORY_CELL_BYTES = 4 * 2**20
-"""The transport's default cell (``FULLSHARD_SHM_CELL_MIB=4``)."""
+"""The transport's default cell (``FULLSHARD_SHM_CELL_MIB`` unset)."""
 _PAGE = 4096
 
 

@@ -249,11 +249,13 @@ def test_memory_model_bounds_the_staging_the_transport_touches(num_ranks: int, c
             assert touched == predicted
 
 
-def test_the_memory_model_uses_the_transports_slot_count() -> None:
-    from fullshard.memory import SHARED_MEMORY_CELL_BYTES, SHARED_MEMORY_SLOTS
+def test_the_default_cell_is_the_memory_models() -> None:
+    """Unset, FULLSHARD_SHM_CELL_MIB gives the cell `fullshard.memory` counts (the slots are
+    one constant, `fullshard.memory.SHARED_MEMORY_SLOTS`, for both)."""
+    from fullshard.memory import SHARED_MEMORY_CELL_BYTES
 
-    assert SHARED_MEMORY_SLOTS == shm._SLOTS
-    assert int(shm._DEFAULT_CELL_MIB * 2**20) == SHARED_MEMORY_CELL_BYTES
+    assert "FULLSHARD_SHM_CELL_MIB" not in os.environ
+    assert shm._cell_bytes() == SHARED_MEMORY_CELL_BYTES
 
 
 def _three_groups_waiting_in_a_cycle() -> None:
