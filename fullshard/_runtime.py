@@ -16,6 +16,7 @@ FULL_SHARD, per unit:
 
 from __future__ import annotations
 
+import bisect
 import enum
 import os
 from collections.abc import Callable, Iterator
@@ -58,6 +59,24 @@ def reductions_in_flight(backward_prefetch: BackwardPrefetch | None) -> int:
     if override is not None:
         return int(override)
     return 0 if backward_prefetch == BackwardPrefetch.BACKWARD_PRE else 1
+
+
+# [Note: forward inside backward]
+# Activation checkpointing runs (part of) a unit's forward again inside backward, and the
+# recomputation must see the unit's parameters unsharded and linked by autograd to the
+# unsharded leaf, so that their gradients reach it:
+# - The views the pre-backward hook gives modules are made with grad enabled (autograd runs
+#   hooks with grad disabled; see `FlatParamHandle._unsharded_views`).
+# - A unit's forward entered again after its pre-backward (non-reentrant checkpointing of a
+#   whole unit) is a recomputation: it only makes sure the parameters are unsharded and
+#   leaves the step's state alone (no hooks on its outputs, no reshard afterwards).
+# - Reentrant checkpointing (`use_reentrant=True`, `CheckpointImpl.REENTRANT`) recomputes in
+#   a backward of its own, so the leaf's gradient may arrive in several installments: one
+#   from the step's graph, one from each reentrant region inside the unit. Resharding after
+#   the first would free parameters that a later installment's recomputation (or a node of
+#   the step's graph) still reads. post_forward therefore counts the installments in the
+#   graph the forward built (`gradient_installments`), and post_backward reshards only after
+#   the last one; the reductions are linear, so each installment is reduced as it arrives.
 
 
 class TrainingState(enum.Enum):
@@ -111,6 +130,67 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
     return obj
 
 
+def gradient_installments(
+    outputs: list[torch.Tensor], leaf: torch.Tensor, since: int, nested: NestedForwards
+) -> int:
+    """How many times backward will deliver gradient to ``leaf`` through ``outputs``' graph.
+
+    Walks the nodes this unit's forward made (sequence numbers from ``since``, less those of
+    nested units' forwards): the step's graph delivers once if it reaches ``leaf``; each
+    reentrant checkpoint region delivers once more, from its own backward (see [Note: forward
+    inside backward]). Regions that turn out not to use ``leaf`` only delay the reshard to
+    the end of backward."""
+    reaches_leaf = False
+    regions = 0
+    seen: set[torch.autograd.graph.Node] = set()
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if getattr(node, "variable", None) is leaf:  # AccumulateGrad of the leaf
+            reaches_leaf = True
+            continue
+        number = node._sequence_nr()
+        if number < since or nested.contains(number):  # another unit's node
+            continue
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            regions += 1
+        stack.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+    return int(reaches_leaf) + regions
+
+
+def autograd_sequence_nr() -> int:
+    """The sequence number autograd gives the next node made on this thread."""
+    with torch.enable_grad():
+        node = _SEQUENCE_PROBE.view(()).grad_fn
+    assert node is not None
+    return node._sequence_nr()
+
+
+_SEQUENCE_PROBE = torch.zeros((), requires_grad=True)
+
+
+class NestedForwards:
+    """The autograd sequence numbers of the unit forwards completed in this step's forward,
+    as disjoint ``[start, end)`` ranges (a range inside another is dropped)."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def add(self, start: int, end: int) -> None:
+        first = bisect.bisect_left(self.starts, start)  # the units nested in this one end here
+        del self.starts[first:], self.ends[first:]
+        self.starts.append(start)
+        self.ends.append(end)
+
+    def contains(self, number: int) -> bool:
+        index = bisect.bisect_right(self.starts, number) - 1
+        return index >= 0 and number < self.ends[index]
+
+
 class RootState:
     """State shared by every unit under one root for one step; owned by the root."""
 
@@ -126,6 +206,8 @@ class RootState:
         self.reductions_in_flight = reductions_in_flight(backward_prefetch)
         self.forward_order: list[UnitRuntime] = []
         """Units with parameters, in the order their forward first ran this step."""
+        self.forward_ranges = NestedForwards()
+        """Where each unit's forward is in autograd's sequence numbers, this step."""
         self.previous_forward_order: list[UnitRuntime] = []
         """The last step's ``forward_order``: what forward prefetching expects to run next."""
         self.pending_reductions: list[UnitRuntime] = []
@@ -138,6 +220,7 @@ class RootState:
         if self.forward_order:
             self.previous_forward_order = self.forward_order
         self.forward_order = []
+        self.forward_ranges = NestedForwards()
 
     def prefetch_for_forward(self, unit: UnitRuntime) -> None:
         """``forward_prefetch``: issue the all-gather of the unit whose forward followed
@@ -215,6 +298,14 @@ class UnitRuntime:
         self.full_precision = False
         """This step's forward runs in the parameters' own dtype despite mixed precision
         (eval with FSDP_USE_FULL_PREC_IN_EVAL=1); backward follows the forward."""
+        self.recomputing = False
+        """Inside a forward entered again during this unit's backward (activation
+        checkpointing; see [Note: forward inside backward])."""
+        self.forward_started_at = 0
+        """Autograd's sequence number when this unit's current forward began."""
+        self.expected_installments = 0
+        """How many times this step's backward will deliver the unit's gradient."""
+        self.received_installments = 0
         if handle is not None:
             handle.register_post_backward_hook(self.post_backward)
 
@@ -224,7 +315,20 @@ class UnitRuntime:
             raise RuntimeError("fullshard internal error: unit used before lazy initialisation")
         return self.root_state
 
+    def in_backward(self) -> bool:
+        """Between this unit's pre-backward and the end of backward."""
+        return self.handle_training_state in (
+            HandleTrainingState.BACKWARD_PRE,
+            HandleTrainingState.BACKWARD_POST,
+        )
+
     def pre_forward(self, full_precision: bool = False) -> None:
+        if self.in_backward():
+            self._pre_recompute()
+            return
+        # A recomputation's forward may never reach its post-forward (non-reentrant
+        # checkpointing stops as soon as it has what backward needs).
+        self.recomputing = False
         if self.is_root:
             self.root.begin_forward()
         self.training_state = TrainingState.FORWARD_BACKWARD
@@ -240,12 +344,33 @@ class UnitRuntime:
             handle.unshard(full_precision)
         self.root.prefetch_for_forward(self)  # issued before we block on our own all-gather
         handle.wait_unshard()
+        self.forward_started_at = autograd_sequence_nr()
+        handle.use_unsharded_views()
+
+    def _pre_recompute(self) -> None:
+        """A forward during this unit's backward (see [Note: forward inside backward])."""
+        self.recomputing = True
+        handle = self.handle
+        if handle is None:
+            return
+        if handle.state == HandleState.SHARDED:
+            handle.unshard(self.full_precision)
+        handle.wait_unshard()
         handle.use_unsharded_views()
 
     def post_forward(self, output: Any) -> Any:
+        if self.recomputing:
+            self.recomputing = False
+            return output
         requires_grad = [t for t in iter_tensors(output) if t.requires_grad]
         will_backward = torch.is_grad_enabled() and bool(requires_grad)
         handle = self.handle
+        if will_backward and handle is not None and handle.flat_param.requires_grad:
+            ranges = self.root.forward_ranges
+            self.expected_installments += gradient_installments(
+                requires_grad, handle.unsharded_leaf, self.forward_started_at, ranges
+            )
+            ranges.add(self.forward_started_at, autograd_sequence_nr())
         if handle is not None and (
             not will_backward or (self.reshard_after_forward and not self.is_root)
         ):
@@ -264,6 +389,7 @@ class UnitRuntime:
         if self.ran_pre_backward:
             return
         self.ran_pre_backward = True
+        self.received_installments = 0
         root = self.root
         root.queue_end_of_backward()
         self.training_state = TrainingState.FORWARD_BACKWARD
@@ -288,9 +414,15 @@ class UnitRuntime:
             root.pending_reductions.append(self)
             root.finalize_reductions(keep=root.reductions_in_flight)
         root.prefetch_for_backward(self, BackwardPrefetch.BACKWARD_POST)
-        if handle.state != HandleState.SHARDED and not handle.has_detached_frozen_views:
+        self.received_installments += 1
+        if (
+            handle.state != HandleState.SHARDED
+            and not handle.has_detached_frozen_views
+            and self.received_installments >= self.expected_installments
+        ):
             # Frozen parameters' views are detached, so autograd may still read them after
-            # this hook; such units are resharded at the end of backward instead.
+            # this hook; such units, and units still expecting gradient from a reentrant
+            # checkpoint region, are resharded at the end of backward instead.
             handle.reshard()
 
     def finish_backward(self) -> None:
@@ -303,5 +435,7 @@ class UnitRuntime:
             if handle.state != HandleState.SHARDED:
                 handle.reshard()
         self.ran_pre_backward = False
+        self.expected_installments = 0
+        self.received_installments = 0
         self.training_state = TrainingState.IDLE
         self.handle_training_state = HandleTrainingState.IDLE

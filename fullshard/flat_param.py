@@ -241,6 +241,8 @@ class FlatParamHandle:
         self._has_optim_in_backward = False
         """Original parameters step their own optimizers as gradients are reduced (see
         [Note: optimizer in backward]); set at lazy initialisation."""
+        self.exposes_unsharded_params = False
+        """Inside ``summon_full_params``: modules see the full parameters as Parameters."""
         self.has_detached_frozen_views = self.flat_param.requires_grad and not all(
             slot.requires_grad for slot in self.layout.slots
         )
@@ -497,11 +499,19 @@ class FlatParamHandle:
                 _assign_param(module, name, param, self._unsafe_setattr)
 
     def _unsharded_views(self) -> list[torch.Tensor]:
+        """Per parameter, its view of the unsharded leaf, linked to it by autograd.
+
+        Made with grad enabled whatever the caller's mode: autograd runs the pre-backward hook
+        with grad disabled, and a view made there would not lead back to the leaf, so a
+        recomputation in backward (activation checkpointing) would build a graph that gives
+        the parameters no gradient. See [Note: forward inside backward] in _runtime.py.
+        """
         flat = self._active.leaf
-        views = [
-            piece.view(slot.shape)
-            for piece, slot in zip(torch.split(flat, self.layout.numels), self.layout.slots)
-        ]
+        with torch.enable_grad():
+            views = [
+                piece.view(slot.shape)
+                for piece, slot in zip(torch.split(flat, self.layout.numels), self.layout.slots)
+            ]
         if self.has_detached_frozen_views:
             views = [v if s.requires_grad else v.detach() for v, s in zip(views, self.layout.slots)]
         return views
@@ -547,8 +557,13 @@ class FlatParamHandle:
         return self._active is self._unsharded_for(full_precision)
 
     @property
-    def _unsharded_flat_param(self) -> torch.Tensor:
+    def unsharded_leaf(self) -> torch.Tensor:
         """The leaf modules' views refer to while unsharded (the last one used otherwise)."""
+        return self._active.leaf
+
+    @property
+    def _unsharded_flat_param(self) -> torch.Tensor:
+        """torch's name for ``unsharded_leaf``."""
         return self._active.leaf
 
     def unshard(self, full_precision: bool = False) -> None:
@@ -767,6 +782,7 @@ class FlatParamHandle:
     def expose_unsharded_params(self) -> None:
         """Make the full parameters visible as registered ``nn.Parameter`` s (for summon)."""
         self._assert_state(HandleState.UNSHARDED, "expose_unsharded_params")
+        self.exposes_unsharded_params = True
         self.sync_orig_grads()  # leaving re-attaches grads from the sharded gradient
         views = [v.detach() for v in self._unsharded_views()]
         for param, view, slot_owners in zip(self._orig_params, views, self._owners):
@@ -803,8 +819,14 @@ class FlatParamHandle:
             _assign_grad(param, piece.view(slot.shape) if slot.requires_grad else None)
 
     def hide_unsharded_params(self, writeback: bool) -> None:
-        """Undo ``expose_unsharded_params``; with ``writeback`` keep edits made to them."""
-        self._assert_state(HandleState.UNSHARDED, "hide_unsharded_params")
+        """Undo ``expose_unsharded_params``; with ``writeback`` keep edits made to them.
+
+        Where the handle was resharded inside the summon (an internal error, then reported),
+        modules still lose the exposed parameters, so the model stays usable."""
+        self.exposes_unsharded_params = False
+        if self.state != HandleState.UNSHARDED:
+            self._drop_exposed_params()
+            self._assert_state(HandleState.UNSHARDED, "hide_unsharded_params")
         if writeback and not self._active.aliases_shard:
             start, end = self.layout.shard_range(self._shard_rank)
             with torch.no_grad():
@@ -816,3 +838,14 @@ class FlatParamHandle:
         self.reshard()
         if self._use_orig_params:
             self._use_sharded_grad_views()
+
+    def _drop_exposed_params(self) -> None:
+        """Sharded already: the original parameters back on their shard pieces, or (flat
+        parameters) no attribute until the next forward sets its views."""
+        if self._use_orig_params:
+            self._use_sharded_params()
+            self._use_sharded_grad_views()
+            return
+        for slot_owners in self._owners:
+            for module, name in slot_owners:
+                _remove_attr(module, name, self._unsafe_setattr)
