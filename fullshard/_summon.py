@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._runtime import HandleTrainingState, TrainingState
-from .flat_param import HandleState
+from .flat_param import FlatParamHandle, HandleState
 
 if TYPE_CHECKING:
     from .fully_sharded_data_parallel import FullyShardedDataParallel
@@ -81,6 +81,28 @@ def summon(
     units = _units(module, recurse)
     _validate(units, writeback, rank0_only, offload_to_cpu, with_grads)
     handles = [unit._handle for unit in units if unit._handle is not None]
+    expose = not rank0_only or dist.get_rank() == 0
+    try:
+        _gather(handles)
+        if not expose:  # rank0_only: the other ranks only took part in the all-gathers
+            for handle in handles:
+                handle.reshard()
+        for unit in units:
+            unit._runtime.training_state = TrainingState.SUMMON_FULL_PARAMS
+            unit._runtime.handle_training_state = HandleTrainingState.SUMMON_FULL_PARAMS
+            unit._runtime.exposes_full_params = expose
+        if expose:
+            for handle in handles:
+                handle.expose_unsharded_params()
+                if with_grads:
+                    handle.expose_unsharded_grads()
+        yield
+    finally:
+        _restore(units, handles, writeback and expose)
+
+
+def _gather(handles: list[FlatParamHandle]) -> None:
+    """Issue every all-gather first, then wait for each, so they overlap one another."""
     for handle in handles:
         # Full parameters in their own dtype (not MixedPrecision.param_dtype): what users
         # inspect and what writeback must store into the shard.
@@ -90,26 +112,26 @@ def summon(
             handle.unshard(full_precision=True)
     for handle in handles:
         handle.wait_unshard()
-    expose = not rank0_only or dist.get_rank() == 0
-    if not expose:  # rank0_only: the other ranks only took part in the all-gathers
-        for handle in handles:
-            handle.reshard()
-    for unit in units:
-        unit._runtime.training_state = TrainingState.SUMMON_FULL_PARAMS
-        unit._runtime.handle_training_state = HandleTrainingState.SUMMON_FULL_PARAMS
-        unit._runtime.exposes_full_params = expose
-    try:
-        if expose:
-            for handle in handles:
-                handle.expose_unsharded_params()
-                if with_grads:
-                    handle.expose_unsharded_grads()
-        yield
-    finally:
-        if expose:
-            for handle in handles:
+
+
+def _restore(
+    units: list[FullyShardedDataParallel], handles: list[FlatParamHandle], writeback: bool
+) -> None:
+    """Leave every unit as it was before the summon, on every exit path (an error in the
+    block, in a gather, or in one handle's restore included): the first error is raised
+    once all units are restored, so a failed summon never leaves the model unusable."""
+    errors: list[BaseException] = []
+    for handle in handles:
+        try:
+            if handle.exposes_unsharded_params:
                 handle.hide_unsharded_params(writeback)
-        for unit in units:
-            unit._runtime.exposes_full_params = False
-            unit._runtime.training_state = TrainingState.IDLE
-            unit._runtime.handle_training_state = HandleTrainingState.IDLE
+            elif handle.state != HandleState.SHARDED:
+                handle.reshard()
+        except BaseException as error:  # re-raised below, once every unit is restored
+            errors.append(error)
+    for unit in units:
+        unit._runtime.exposes_full_params = False
+        unit._runtime.training_state = TrainingState.IDLE
+        unit._runtime.handle_training_state = HandleTrainingState.IDLE
+    if errors:
+        raise errors[0]

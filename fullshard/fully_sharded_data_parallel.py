@@ -7,6 +7,7 @@ unit manages, its handle); per-step state lives in the unit's ``UnitRuntime``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import warnings
 import weakref
@@ -56,6 +57,9 @@ HOMOGENEOUS_ATTR_NAMES = ["_use_orig_params", "limit_all_gathers", "_use_full_pr
 """Attributes every unit under one root must agree on."""
 
 _USE_FULL_PREC_IN_EVAL = "FSDP_USE_FULL_PREC_IN_EVAL"
+FORWARD_METHODS = frozenset({"generate"})
+"""Methods of a wrapped module that run its forward: called on the unit, they run as its
+forward (with its parameters unsharded), as FSDP2's ``register_fsdp_forward_method`` does."""
 
 
 @dataclass(frozen=True)
@@ -364,11 +368,20 @@ class FullyShardedDataParallel(nn.Module):
         return self._fsdp_wrapped_module
 
     def __getattr__(self, name: str) -> Any:
-        """Forward missing attributes to the wrapped module."""
+        """Forward missing attributes to the wrapped module; its forward methods (such as
+        transformers' ``generate``, which calls the inner model's forward) run as this
+        unit's forward, with its parameters unsharded (torch's FSDP1 runs them on sharded
+        parameters and fails)."""
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._fsdp_wrapped_module, name)
+            attr = getattr(self._fsdp_wrapped_module, name)
+            if name in FORWARD_METHODS and callable(attr):
+                return functools.partial(self._call_forward_method, attr)
+            return attr
+
+    def _call_forward_method(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return self._run_forward(method, args, kwargs)
 
     def __getitem__(self, key: int) -> Any:
         """Forward indexing to the wrapped module (e.g. a wrapped ``nn.Sequential``)."""
@@ -391,11 +404,17 @@ class FullyShardedDataParallel(nn.Module):
     # -- forward ----------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._runtime.training_state == TrainingState.SUMMON_FULL_PARAMS:
+            return self._forward_in_summon(args, kwargs)
+        return self._run_forward(self._fsdp_wrapped_module, args, kwargs)
+
+    def _run_forward(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """Run ``fn`` (the wrapped module, or one of its forward methods such as
+        ``generate``) as this unit's forward: parameters unsharded around it."""
         runtime = self._runtime
         if runtime.is_root is None:
             self._lazy_init()
-        label = self._handle.label if self._handle is not None else "(no params)"
-        with torch.autograd.profiler.record_function(f"fullshard::forward({label})"):
+        with torch.autograd.profiler.record_function(f"fullshard::forward({self._label})"):
             full_precision = self._forces_full_precision()
             mixed_precision = self._mixed_precision
             if self._handle is not None:
@@ -403,7 +422,7 @@ class FullyShardedDataParallel(nn.Module):
                     self._handle.flat_param.device,
                     self.compute_device,
                     self._handle.offload_params,
-                    label,
+                    self._label,
                 )
             if runtime.is_root:
                 args, kwargs = self._to_compute_device(args, kwargs)
@@ -421,10 +440,26 @@ class FullyShardedDataParallel(nn.Module):
                 input_dtype = _first_floating_dtype((args, kwargs))
                 args, kwargs = _cast_floating(torch.float32, (args, kwargs))
             runtime.pre_forward(full_precision)
-            output = self._fsdp_wrapped_module(*args, **kwargs)
+            output = fn(*args, **kwargs)
             if input_dtype is not None:
                 output = _cast_floating(input_dtype, output)
             return runtime.post_forward(output)
+
+    def _forward_in_summon(self, args: Any, kwargs: Any) -> Any:
+        """Inside ``summon_full_params`` (generation code runs the inner model there): the
+        module already sees its full parameters, so it computes with them, in their own
+        dtype, and the unit's state is left to the summon."""
+        if not self._runtime.exposes_full_params:
+            raise RuntimeError(
+                f"forward of FSDP unit '{self._label}' inside summon_full_params(rank0_only=True)"
+                f" on rank {dist.get_rank()}, which does not hold the full parameters; run the "
+                "forward on rank 0 only, or summon with rank0_only=False"
+            )
+        return self._fsdp_wrapped_module(*args, **kwargs)
+
+    @property
+    def _label(self) -> str:
+        return self._handle.label if self._handle is not None else "(no params)"
 
     def _forces_full_precision(self) -> bool:
         """Eval in full precision despite mixed precision (FSDP_USE_FULL_PREC_IN_EVAL=1)."""
