@@ -188,6 +188,35 @@ def _train(argv: list[str]) -> int:
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
+def _loopback_listener(host_name: str, port: int) -> tuple[int, int]:
+    """A socket listening on loopback at ``port`` (0: a free one): its descriptor and port.
+
+    Raises what ``TCPStore(is_master=True)`` raises where the port is taken
+    (`torch.distributed.DistNetworkError`): torch's c10d rendezvous then joins as a client,
+    which is how the second launcher on a machine finds the first one's store."""
+    import torch.distributed as dist
+
+    family, address = (
+        (socket.AF_INET6, "::1") if host_name == "::1" else (socket.AF_INET, "127.0.0.1")
+    )
+    with socket.socket(family) as listener:
+        # As TCPStore's own server does: a port whose last connections are in TIME_WAIT
+        # (a restarted job's) can be listened on again.
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((address, port))
+        except OSError as error:
+            if error.errno != errno.EADDRINUSE:
+                raise
+            raise dist.DistNetworkError(
+                f"fullshard train: the store at {host_name}:{port} cannot listen on "
+                f"{address}:{port}, which another process holds (address already in use)"
+            ) from error
+        listener.listen(4096)
+        port = listener.getsockname()[1]
+        return listener.detach(), port  # the store owns the descriptor (and closes it)
+
+
 @contextlib.contextmanager
 def _stores_on_loopback() -> Iterator[None]:
     """Inside, TCPStore servers for a loopback host listen on loopback only.
@@ -195,7 +224,11 @@ def _stores_on_loopback() -> Iterator[None]:
     torch's elastic agent creates its stores (the rendezvous store, the agent's store for
     the ranks) with ``TCPStore(host, port, is_master=True)``, which listens on every
     interface whatever ``host`` is. A server for a loopback host is given a socket bound to
-    127.0.0.1 instead (``master_listen_fd``); other hosts (multi-node) are left alone."""
+    loopback instead (``master_listen_fd``); other hosts (multi-node across machines) are
+    left alone. Where the port is taken, the store fails as torch's would, so a c10d
+    rendezvous decides server or client exactly as under ``torchrun``: every launcher whose
+    host is the endpoint's tries to host the store, and all but the first connect to it.
+    See [Note: two launchers on one machine]."""
     import torch.distributed as dist
     import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend as c10d_backend
 
@@ -210,12 +243,7 @@ def _stores_on_loopback() -> Iterator[None]:
                 and host_name in _LOOPBACK
                 and options.get("master_listen_fd") is None
             ):
-                with socket.socket() as listener:
-                    listener.bind(("127.0.0.1", port))
-                    listener.listen(4096)
-                    port = listener.getsockname()[1]
-                    # The store owns the descriptor from here on (and closes it).
-                    options["master_listen_fd"] = listener.detach()
+                options["master_listen_fd"], port = _loopback_listener(host_name, port)
             super().__init__(host_name, port, **options)
 
     dist.TCPStore = LoopbackTCPStore  # type: ignore[misc]
@@ -225,6 +253,18 @@ def _stores_on_loopback() -> Iterator[None]:
     finally:
         dist.TCPStore = original  # type: ignore[misc]
         c10d_backend.TCPStore = original  # type: ignore[misc]
+
+
+# Note: two launchers on one machine
+# ``--nnodes 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:P`` run twice on one machine
+# (a multi-node job rehearsed on loopback): both launchers see the endpoint as their own
+# host (`_matches_machine_hostname`), so both try ``TCPStore(is_master=True)``. torch's
+# c10d backend retries as a client when that raises a ValueError, RuntimeError or
+# TimeoutError; a plain OSError from binding is none of those and ended the second
+# launcher ("Address already in use") while the first waited for it until the join
+# timeout. `_loopback_listener` raises `DistNetworkError` (a RuntimeError), the type
+# TCPStore itself raises for a port in use, and the retry connects the second launcher.
+# tests/test_cli.py::test_two_launchers_on_loopback_train_as_two_nodes.
 
 
 def _launch(launch: list[str], out: Path) -> int:
