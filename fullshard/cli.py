@@ -3,9 +3,11 @@
 ``fullshard train`` validates its options in this process, then starts the ranks through
 torch's elastic launcher (``torch.distributed.run``, the agent behind ``torchrun``), each
 running `fullshard.train`. On one machine the rendezvous is bound to 127.0.0.1 on a free
-port (``--master-port`` picks one); ``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``,
-``--rdzv-backend``, ``--rdzv-id``, ``--master-addr`` and ``--max-restarts`` pass through to
-the launcher for multi-node jobs. ``plan`` imports no torch, so it answers at once.
+port (``--master-port`` picks one). Multi-node jobs run the same command on every machine:
+``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``, ``--rdzv-backend`` (c10d when an
+endpoint is given), ``--rdzv-id``, ``--master-addr``, ``--master-port`` and
+``--max-restarts`` pass through to the launcher. ``plan`` imports no torch, so it answers
+at once.
 """
 
 from __future__ import annotations
@@ -74,7 +76,11 @@ def _launcher_parser() -> argparse.ArgumentParser:
     )
     group.add_argument("--nnodes", default="1", help="machines, or MIN:MAX (default 1)")
     group.add_argument("--node-rank", type=int, default=None, help="this machine's index")
-    group.add_argument("--rdzv-backend", default=None, help="default: c10d")
+    group.add_argument(
+        "--rdzv-backend",
+        default=None,
+        help="default: c10d (static with --master-addr and no --rdzv-endpoint)",
+    )
     group.add_argument(
         "--rdzv-endpoint",
         default=None,
@@ -118,43 +124,67 @@ def _launcher_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         parser.error(f"--nproc-per-node must be positive, got {args.nproc_per_node}")
     if args.max_restarts < 0:
         parser.error(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        parser.error(f"--master-port must be in 1..65535, got {args.master_port}")
     argv = [
         f"--nproc-per-node={args.nproc_per_node}",
         f"--nnodes={args.nnodes}",
         f"--max-restarts={args.max_restarts}",
         "--monitor-interval=0.5",
     ]
-    multi_node = args.nnodes != "1" or args.rdzv_endpoint or args.master_addr
-    if args.node_rank is not None:
-        argv.append(f"--node-rank={args.node_rank}")
-    if args.master_addr is not None:
-        argv.append(f"--master-addr={args.master_addr}")
-    if multi_node:
-        if args.rdzv_endpoint:
-            argv.append(f"--rdzv-endpoint={args.rdzv_endpoint}")
-        if args.master_port is not None:
-            argv.append(f"--master-port={args.master_port}")
-        if args.rdzv_backend:
-            argv.append(f"--rdzv-backend={args.rdzv_backend}")
-        if args.rdzv_id:
-            argv.append(f"--rdzv-id={args.rdzv_id}")
-        return argv
-    # One machine: a c10d rendezvous on loopback, never reachable from the network.
+    if args.nnodes != "1" or args.rdzv_endpoint or args.master_addr:
+        return argv + _multi_node_argv(args, parser)
+    # One machine: a c10d rendezvous on loopback, never reachable from the network; the
+    # agent's store for the ranks is hosted at --local-addr (by default this machine's
+    # FQDN), so that is loopback too.
     port = args.master_port
     if port is None:
         port = _free_port()
-    elif not 0 < port < 65536:
-        parser.error(f"--master-port must be in 1..65535, got {port}")
     elif not _port_free("127.0.0.1", port):
         parser.error(
             f"--master-port {port} is in use on 127.0.0.1 (another job?); pass another port, "
             "or leave --master-port out to pick a free one"
         )
+    if args.node_rank is not None:
+        argv.append(f"--node-rank={args.node_rank}")
     argv += [
         f"--rdzv-backend={args.rdzv_backend or 'c10d'}",
         f"--rdzv-endpoint=127.0.0.1:{port}",
         f"--rdzv-id={args.rdzv_id or uuid.uuid4().hex[:12]}",
+        "--local-addr=127.0.0.1",
     ]
+    return argv
+
+
+def _multi_node_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    """The rendezvous of a job over several machines, as every machine's launcher gives it:
+    c10d at ``--rdzv-endpoint`` (the default when one is given; the first launcher there
+    hosts the store), else torch's static rendezvous at ``--master-addr:--master-port``,
+    where each machine needs its ``--node-rank``."""
+    backend = args.rdzv_backend or ("c10d" if args.rdzv_endpoint else "static")
+    try:
+        max_nodes = int(args.nnodes.split(":")[-1])
+    except ValueError:
+        parser.error(f"--nnodes must be N or MIN:MAX, got {args.nnodes!r}")
+    if backend == "static" and args.node_rank is None and max_nodes > 1:
+        # Left to torch, every machine would be node 0 and host its own store: the second
+        # fails on its port (on one machine) or waits for peers that never come (on many).
+        parser.error(
+            f"--nnodes {args.nnodes} with the static rendezvous (--master-addr, "
+            "--master-port) needs --node-rank on every machine: 0 on the one at "
+            "--master-addr, 1 to N-1 on the others; or give every machine the same "
+            "--rdzv-endpoint HOST:PORT (c10d), which needs no --node-rank"
+        )
+    argv = [f"--rdzv-backend={backend}"]
+    for flag, value in (
+        ("--node-rank", args.node_rank),
+        ("--master-addr", args.master_addr),
+        ("--master-port", args.master_port),
+        ("--rdzv-endpoint", args.rdzv_endpoint),
+        ("--rdzv-id", args.rdzv_id),
+    ):
+        if value not in (None, ""):
+            argv.append(f"{flag}={value}")
     return argv
 
 
