@@ -132,7 +132,7 @@ def _launcher_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         f"--max-restarts={args.max_restarts}",
         "--monitor-interval=0.5",
     ]
-    if args.nnodes != "1" or args.rdzv_endpoint or args.master_addr:
+    if _multi_node(args):
         return argv + _multi_node_argv(args, parser)
     # One machine: a c10d rendezvous on loopback, never reachable from the network; the
     # agent's store for the ranks is hosted at --local-addr (by default this machine's
@@ -154,6 +154,10 @@ def _launcher_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         "--local-addr=127.0.0.1",
     ]
     return argv
+
+
+def _multi_node(args: argparse.Namespace) -> bool:
+    return bool(args.nnodes != "1" or args.rdzv_endpoint or args.master_addr)
 
 
 def _multi_node_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
@@ -205,6 +209,12 @@ def _train(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     config = config_from_args(args, parser)
     if config.out is None:
+        if _multi_node(args):
+            parser.error(
+                f"--nnodes {args.nnodes}: give every machine the same --out, a folder on a "
+                "filesystem they share (the checkpoint is one folder written by every rank; "
+                "without --out each machine would name its own from its clock)"
+            )
         config = replace(config, out=time.strftime("runs/%Y%m%d-%H%M%S"))
     problem = checkpoint_problem(config, config.resume)
     if problem is not None:  # refused before any rank starts
