@@ -101,6 +101,9 @@ def _launcher_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
 def _port_free(host: str, port: int) -> bool:
     with socket.socket() as sock:
         try:
@@ -189,6 +192,17 @@ def _multi_node_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     ):
         if value not in (None, ""):
             argv.append(f"{flag}={value}")
+    if backend == "c10d" and args.rdzv_endpoint:
+        from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+        try:
+            host, _ = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
+        except ValueError as error:
+            parser.error(f"--rdzv-endpoint {args.rdzv_endpoint!r}: {error}")
+        if host in _LOOPBACK:
+            # Every node is on this machine (a rehearsal): the agent's store stays on loopback
+            # too (its host is --local-addr, by default the machine's FQDN).
+            argv.append("--local-addr=127.0.0.1")
     return argv
 
 
@@ -223,9 +237,6 @@ def _train(argv: list[str]) -> int:
     worker_argv = [*worker_argv, "--out", str(config.out)]  # the last --out wins
     launch = [*_launcher_argv(launch_args, parser), "-m", "fullshard.train", *worker_argv]
     return _launch(launch, Path(str(config.out)))
-
-
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def _loopback_listener(host_name: str, port: int) -> tuple[int, int]:

@@ -464,7 +464,8 @@ def test_launcher_options_name_the_rendezvous_every_machine_needs() -> None:
     """One machine: c10d on 127.0.0.1, and the agent's store for the ranks on 127.0.0.1 too
     (--local-addr; torch's default is the machine's FQDN). Several: --rdzv-endpoint means
     c10d unless --rdzv-backend says otherwise (torchrun's default, static, would make every
-    machine node 0); --master-addr means static, with this machine's --node-rank."""
+    machine node 0), with --local-addr 127.0.0.1 only where the endpoint is on loopback;
+    --master-addr means static, with this machine's --node-rank."""
     from fullshard.cli import _launcher_argv, _launcher_parser
 
     def launcher_argv(*args: str) -> list[str]:
@@ -479,6 +480,8 @@ def test_launcher_options_name_the_rendezvous_every_machine_needs() -> None:
     static = launcher_argv("--nnodes", "2", "--master-addr", "10.0.0.1", "--node-rank", "1")
     assert static[-3:] == ["--rdzv-backend=static", "--node-rank=1", "--master-addr=10.0.0.1"]
     assert not any(arg.startswith("--local-addr") for arg in c10d + static)
+    rehearsal = launcher_argv("--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400")
+    assert rehearsal[-1] == "--local-addr=127.0.0.1"  # every node on this machine
 
 
 def _wait_all(processes: list[subprocess.Popen[bytes]], timeout: float) -> None:
