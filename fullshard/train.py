@@ -334,6 +334,15 @@ def hybrid_mesh(device: torch.device) -> DeviceMesh:
     )
 
 
+def model_params(config: TrainConfig) -> int:
+    """Parameters of the plain model, counted on the meta device (nothing allocated).
+
+    Not `num_params` of the wrapped model, which counts this rank's shards: half the model
+    on two FULL_SHARD ranks, or on two HYBRID_SHARD ranks of one machine."""
+    with torch.device("meta"):
+        return num_params(GPT(config.gpt()))
+
+
 def build_model(config: TrainConfig, device: torch.device) -> FSDP:
     """The GPT wrapped with one FSDP unit per `Block`; every rank builds the same init."""
     torch.manual_seed(config.seed)
@@ -544,7 +553,7 @@ def train(config: TrainConfig, device: torch.device) -> int:
     source = config.data or "shipped with fullshard (data/corpus.txt)"
     train_data, heldout_data = split_corpus(load_corpus(config.data), config.seq_len, source)
     model = build_model(config, device)
-    params = num_params(model)
+    params = model_params(config)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
     )

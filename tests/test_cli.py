@@ -22,6 +22,19 @@ FULLSHARD = [sys.executable, "-m", "fullshard"]
 TINY = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--sample-bytes", "16"]
 
 
+def _tiny_params() -> int:
+    from fullshard.examples.gpt import GPT, GPTConfig, num_params
+
+    shape = PRESETS["tiny"]
+    config = GPTConfig(seq_len=32, d_model=shape.d_model, n_heads=shape.n_heads,
+                       n_layers=shape.n_layers)  # fmt: skip
+    return num_params(GPT(config))
+
+
+TINY_PARAMS = _tiny_params()
+"""Parameters of the plain model that ``TINY`` trains."""
+
+
 def _run(
     args: list[str], timeout: float = 300, **kwargs: object
 ) -> subprocess.CompletedProcess[str]:
@@ -157,6 +170,7 @@ def test_train_runs_and_writes_report_checkpoint_and_sample(tmp_path: Path) -> N
     assert "fullshard train tiny" in result.stderr  # the progress bar
     report = json.loads((out / "report.json").read_text())
     assert report["world_size"] == 2 and len(report["losses"]) == 12
+    assert report["params"] == TINY_PARAMS  # the whole model's, not rank 0's shards
     assert len(report["peak_memory_mib"]) == 12 and len(report["peak_memory_mib"][0]) == 2
     assert report["final_loss"] < report["first_loss"]
     assert len(report["sample"]) >= 16 and report["sample"].startswith("The ")
@@ -235,8 +249,9 @@ def test_stopped_run_resumes_to_the_uninterrupted_loss_curve(
 
 
 def test_train_mistakes_get_clear_messages_before_any_rank_starts(tmp_path: Path) -> None:
-    """Bad flags, a missing corpus, a port in use, a checkpoint left in --out, and resuming
-    a checkpoint of another model: exit status 2 and a message that names the fix."""
+    """Bad flags, a missing corpus, a port in use, a checkpoint left in --out, resuming a
+    checkpoint of another model, and a multi-node job without --node-rank (static) or
+    --out: exit status 2 and a message that names the fix."""
     made = tmp_path / "made"
     first = _run(["train", *TINY, "--steps", "2", "--checkpoint-every", "2", "--out", str(made)])
     assert first.returncode == 0, first.stderr[-3000:]
@@ -253,6 +268,14 @@ def test_train_mistakes_get_clear_messages_before_any_rank_starts(tmp_path: Path
             (["--out", str(made), "--resume", "--preset", "small"], "from another model or run"),
             (["--resume", "--overwrite"], "--resume and --overwrite contradict each other"),
             (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0.0"),
+            (
+                ["--nnodes", "2", "--master-addr", "127.0.0.1", "--out", str(tmp_path / "n")],
+                "needs --node-rank on every machine",
+            ),
+            (
+                ["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400"],
+                "give every machine the same --out",
+            ),
         ]
         for args, message in cases:
             result = _run(["train", *TINY, *args], timeout=120)
@@ -420,5 +443,107 @@ def test_rank_killed_in_forward_backward_or_save_restarts_and_resumes_exactly(
     assert f"resumed from {out / 'checkpoint'} at step 4" in result.stdout
     report = json.loads((out / "report.json").read_text())
     assert report["resumed_at"] == [4] and len(report["losses"]) == 24
+    for got, want in zip(report["losses"], uninterrupted_losses):
+        assert abs(got - want) <= 1e-5 * abs(want), (report["losses"], uninterrupted_losses)
+
+
+@pytest.mark.parametrize("strategy", ["SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"])
+def test_train_reports_the_plain_models_parameter_count(strategy: str, tmp_path: Path) -> None:
+    """The parameter count printed and written to report.json is the plain model's for
+    every strategy (FULL_SHARD: the report test above), not what rank 0's FSDP module holds
+    (its shards: half the model on two HYBRID_SHARD ranks of one machine)."""
+    out = tmp_path / strategy
+    result = _run(["train", *TINY, "--steps", "2", "--checkpoint-every", "0",
+                   "--strategy", strategy, "--out", str(out)])  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"tiny: {TINY_PARAMS:,} parameters; 2 ranks, {strategy}" in result.stdout
+    assert json.loads((out / "report.json").read_text())["params"] == TINY_PARAMS
+
+
+def test_launcher_options_name_the_rendezvous_every_machine_needs() -> None:
+    """One machine: c10d on 127.0.0.1, and the agent's store for the ranks on 127.0.0.1 too
+    (--local-addr; torch's default is the machine's FQDN). Several: --rdzv-endpoint means
+    c10d unless --rdzv-backend says otherwise (torchrun's default, static, would make every
+    machine node 0), with --local-addr 127.0.0.1 only where the endpoint is on loopback;
+    --master-addr means static, with this machine's --node-rank."""
+    from fullshard.cli import _launcher_argv, _launcher_parser
+
+    def launcher_argv(*args: str) -> list[str]:
+        parser = _launcher_parser()
+        return _launcher_argv(parser.parse_args(args), parser)
+
+    one = launcher_argv()
+    assert "--local-addr=127.0.0.1" in one and "--rdzv-backend=c10d" in one
+    assert any(arg.startswith("--rdzv-endpoint=127.0.0.1:") for arg in one)
+    c10d = launcher_argv("--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:29400", "--rdzv-id", "j")
+    assert c10d[-3:] == ["--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29400", "--rdzv-id=j"]
+    static = launcher_argv("--nnodes", "2", "--master-addr", "10.0.0.1", "--node-rank", "1")
+    assert static[-3:] == ["--rdzv-backend=static", "--node-rank=1", "--master-addr=10.0.0.1"]
+    assert not any(arg.startswith("--local-addr") for arg in c10d + static)
+    rehearsal = launcher_argv("--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400")
+    assert rehearsal[-1] == "--local-addr=127.0.0.1"  # every node on this machine
+
+
+def _wait_all(processes: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    """Wait for every process to end; the first to fail, or the deadline, stops the rest
+    (SIGTERM, which stops a launcher's ranks too; SIGKILL if one lingers)."""
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            codes = [process.poll() for process in processes]
+            if all(code is not None for code in codes) or any(codes):
+                return
+            time.sleep(0.2)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
+@pytest.mark.parametrize(
+    "rendezvous",
+    [
+        ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:{port}"],
+        ["--master-addr", "127.0.0.1", "--master-port", "{port}", "--node-rank", "{node}"],
+    ],
+    ids=["c10d", "static"],
+)
+def test_two_launchers_on_loopback_train_as_two_nodes(
+    rendezvous: list[str], tmp_path: Path, uninterrupted_losses: list[float]
+) -> None:
+    """Two ``fullshard train --nnodes 2 --nproc-per-node 1`` on one machine are two nodes,
+    as under torchrun: with c10d both find the endpoint is their host, the first to listen
+    hosts the store and the other connects to it (it used to fail "Address already in use"
+    while the first waited); with the static rendezvous node 0 hosts. Both exit 0, and the
+    losses are the one-launcher two-rank run's (same ranks, same batches)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = tmp_path / "two-nodes"
+    launchers: list[subprocess.Popen[bytes]] = []
+    logs: list[tuple[Path, Path]] = []
+    for node in range(2):
+        launcher_args = [arg.format(port=port, node=node) for arg in rendezvous]
+        command = [*FULLSHARD, "train", *TINY, *STEPS, "--nnodes", "2", "--nproc-per-node",
+                   "1", *launcher_args, "--out", str(out)]  # fmt: skip
+        log = (tmp_path / f"node{node}.out", tmp_path / f"node{node}.err")
+        with log[0].open("w") as out_file, log[1].open("w") as err_file:
+            launchers.append(subprocess.Popen(command, cwd=REPO, stdout=out_file, stderr=err_file))
+        logs.append(log)
+    _wait_all(launchers, timeout=180)
+    outputs = [(out_log.read_text(), err_log.read_text()) for out_log, err_log in logs]
+    for launcher, (stdout, stderr) in zip(launchers, outputs):
+        assert launcher.returncode == 0, (launcher.returncode, stdout[-3000:], stderr[-3000:])
+    # Node 0's rank 0 logs and writes the report; which launcher is node 0 under c10d is
+    # the rendezvous' choice.
+    logged = [stdout for stdout, _ in outputs if "tiny: " in stdout]
+    assert len(logged) == 1 and f"tiny: {TINY_PARAMS:,} parameters; 2 ranks" in logged[0]
+    report = json.loads((out / "report.json").read_text())
+    assert report["world_size"] == 2 and len(report["losses"]) == 24
     for got, want in zip(report["losses"], uninterrupted_losses):
         assert abs(got - want) <= 1e-5 * abs(want), (report["losses"], uninterrupted_losses)
