@@ -2,7 +2,8 @@
 
 [Note: state dict keys]
 Keys are what the unwrapped model's ``state_dict()`` gives: the module tree is walked with
-FSDP wrappers made transparent, each module's parameters (managed ones from their unit's
+FSDP wrappers and activation checkpointing's wrappers (``_checkpoint_wrapped_module``, as
+torch strips it) made transparent, each module's parameters (managed ones from their unit's
 handle, ignored ones as they are), persistent buffers and extra state in ``nn.Module``'s
 order, a parameter shared by several modules under each of their names (the same tensor).
 Values of managed parameters are produced one unit at a time: the unit is all-gathered in
@@ -17,7 +18,8 @@ under it into the wrapped module's namespace, consumes its managed parameters' v
 (copying this rank's piece of each full value into the shard: SHARDED values are gathered
 with ``full_tensor()``, which DCP may have filled at another world size) and leaves
 placeholders so ``nn.Module`` finds what it expects (buffers and ignored parameters load
-natively).
+natively). Keys and placeholders under an activation-checkpointing wrapper are spelled
+without ``_checkpoint_wrapped_module.``: the wrapper's own load pre-hook adds it back.
 """
 
 from __future__ import annotations
@@ -37,7 +39,13 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from . import _collectives as comm
 from ._process_groups import ShardingGroups
-from ._traversal import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE
+from ._traversal import (
+    CHECKPOINT_WRAPPED_MODULE,
+    FLAT_PARAM,
+    FSDP_PREFIX,
+    FSDP_WRAPPED_MODULE,
+    clean_fqn,
+)
 from .api import FullStateDictConfig, StateDictConfig, StateDictType
 from .flat_param import FlatParameter, FlatParamHandle, HandleState
 
@@ -124,8 +132,9 @@ def _plan(
         if type(module).get_extra_state is not nn.Module.get_extra_state:
             entries.append(_Entry(path + "_extra_state", value=module.get_extra_state()))
         for child_name, child in module._modules.items():
-            if child is not None:
-                visit(child, path + child_name + ".")
+            if child is not None:  # activation checkpointing's wrapper adds no key part
+                transparent = child_name == CHECKPOINT_WRAPPED_MODULE
+                visit(child, path if transparent else path + child_name + ".")
 
     visit(root, prefix)
     return entries, metadata, unit_paths
@@ -402,8 +411,13 @@ def load_pre_hook(
 
 
 def _module_paths(module: nn.Module) -> dict[int, list[str]]:
-    """Every path (with a trailing dot, "" for ``module``) of each module under ``module``."""
+    """Every path (with a trailing dot, "" for ``module``) of each module under ``module``, as
+    keys spell it: without activation checkpointing's ``_checkpoint_wrapped_module.``, which
+    the wrapper's own load pre-hook puts back into the keys under it."""
     paths: dict[int, list[str]] = {}
     for name, submodule in module.named_modules(remove_duplicate=False):
-        paths.setdefault(id(submodule), []).append(name + "." if name else "")
+        path = clean_fqn(name + ".") if name else ""
+        known = paths.setdefault(id(submodule), [])
+        if path not in known:
+            known.append(path)
     return paths

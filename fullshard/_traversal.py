@@ -11,11 +11,16 @@ __all__: list[str] = []
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
 FLAT_PARAM = "_flat_param"
+CHECKPOINT_WRAPPED_MODULE = "_checkpoint_wrapped_module"
+"""The child an activation-checkpointing wrapper (torch's ``checkpoint_wrapper``) holds its
+module under; torch strips it from state-dict keys, so fullshard does too."""
+CHECKPOINT_PREFIX = CHECKPOINT_WRAPPED_MODULE + "."
 
 
 def clean_fqn(name: str) -> str:
-    """A name without the wrapper prefixes: what the unwrapped model calls it."""
-    return name.replace(FSDP_PREFIX, "")
+    """A name without the wrapper prefixes (FSDP's and activation checkpointing's): what the
+    unwrapped, un-checkpointed model calls it."""
+    return name.replace(FSDP_PREFIX, "").replace(CHECKPOINT_PREFIX, "")
 
 
 def _get_fsdp_handles(module: nn.Module) -> list[FlatParamHandle]:

@@ -356,3 +356,83 @@ def test_hybrid_round_trips_and_reshards_to_full_shard(tmp_path: Any) -> None:
         )  # fmt: skip
     run_on_ranks(4, _save_sharded, path, ShardingStrategy.HYBRID_SHARD, True, env=env, timeout=240)
     run_on_ranks(2, _load_sharded, path, ShardingStrategy.FULL_SHARD, True)
+
+
+# -- activation checkpointing applied before wrapping --------------------------------------
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.norm = nn.BatchNorm1d(6)  # buffers, and a state dict version in _metadata
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.lin(x)).relu()
+
+
+class _BlockNet(nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(3, 6)
+        self.blocks = nn.Sequential(_Block(), _Block())
+        self.out = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.blocks(self.inp(x)))
+
+
+def _checkpointed_then_wrapped(use_orig_params: bool, wrap_blocks: bool) -> FSDP:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    model = _BlockNet(seed=0)
+    apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, _Block))
+    policy = ModuleWrapPolicy({_Block}) if wrap_blocks else None
+    return FSDP(model, use_orig_params=use_orig_params, auto_wrap_policy=policy)
+
+
+def _checkpoint_wrapper_keys(use_orig_params: bool, wrap_blocks: bool, path: str) -> None:
+    import fullshard.checkpoint as ckpt
+
+    model = _checkpointed_then_wrapped(use_orig_params, wrap_blocks)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 3)).sum().backward()  # also moves the BatchNorm statistics
+    optim.step()
+    plain = _BlockNet(seed=1)
+    full = model.state_dict()
+    assert list(full) == list(plain.state_dict())  # the plain model's keys, in its order
+    plain.load_state_dict(full)  # strict
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(value, full[key], rtol=0, atol=0, msg=key)
+    for state_dict_type in (StateDictType.SHARDED_STATE_DICT, StateDictType.LOCAL_STATE_DICT):
+        with FSDP.state_dict_type(model, state_dict_type):
+            state_dict = model.state_dict()
+            assert not [k for k in state_dict if "_checkpoint_wrapped_module" in k], state_dict
+            model.load_state_dict(state_dict)
+    _perturb(model)
+    model.load_state_dict(full)  # back into the checkpointed, wrapped model
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, full[key], rtol=0, atol=0, msg=key)
+    names = [name for name, _ in plain.named_parameters()]
+    osd = FSDP.optim_state_dict(model, optim)
+    assert sorted(osd["state"]) == sorted(names)
+    assert sorted(fqn for group in osd["param_groups"] for fqn in group["params"]) == sorted(names)
+    ckpt.save(path, model, optim)
+    metadata = ckpt.read_metadata(path)
+    assert list(metadata["model"]) == sorted(full)  # fullshard.json keeps keys sorted
+    assert sorted(metadata["optimizer_states"]) == sorted(names)
+
+
+@pytest.mark.parametrize("wrap_blocks", [True, False], ids=["block-units", "root-unit"])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_state_dict_keys_strip_checkpoint_wrapper(
+    use_orig_params: bool, wrap_blocks: bool, tmp_path: Any
+) -> None:
+    """With activation checkpointing applied before wrapping (each block a unit, or inside the
+    root unit): FULL, SHARDED, LOCAL, optimizer and fullshard.checkpoint keys have no
+    ``_checkpoint_wrapped_module.``; the FULL dict loads into the plain model and back."""
+    path = str(tmp_path / "ckpt")
+    run_on_ranks(2, _checkpoint_wrapper_keys, use_orig_params, wrap_blocks, path)
