@@ -23,6 +23,16 @@ def clean_fqn(name: str) -> str:
     return name.replace(FSDP_PREFIX, "").replace(CHECKPOINT_PREFIX, "")
 
 
+def flat_param_owner(wrapped: nn.Module) -> nn.Module:
+    """The module a unit's flat parameter is registered on: the wrapped module, or below
+    activation checkpointing's wrappers the module they wrap. Never a wrapper itself: its load
+    pre-hook moves every key under it down a level, a placeholder for a parameter of its own
+    included (see [Note: state dict keys] in ``_state_dict``)."""
+    while isinstance(wrapped._modules.get(CHECKPOINT_WRAPPED_MODULE), nn.Module):
+        wrapped = wrapped._modules[CHECKPOINT_WRAPPED_MODULE]  # type: ignore[assignment]
+    return wrapped
+
+
 def _get_fsdp_handles(module: nn.Module) -> list[FlatParamHandle]:
     """The flat-parameter handles of every FSDP unit in ``module``, in module order."""
     from .fully_sharded_data_parallel import FullyShardedDataParallel

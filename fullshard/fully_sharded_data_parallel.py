@@ -24,7 +24,7 @@ from . import _init_utils, _optim_state_dict, _state_dict
 from ._optim_state_dict import OptimStateKeyType
 from ._process_groups import ShardingGroups, effective_strategy, resolve_groups
 from ._runtime import RootState, TrainingState, UnitRuntime, iter_tensors, map_tensors
-from ._traversal import FLAT_PARAM, FSDP_WRAPPED_MODULE, clean_fqn
+from ._traversal import FLAT_PARAM, FSDP_WRAPPED_MODULE, clean_fqn, flat_param_owner
 from .api import (
     BackwardPrefetch,
     CPUOffload,
@@ -350,7 +350,7 @@ class FullyShardedDataParallel(nn.Module):
                 offload_params=settings.offload_params,
             )
             if not settings.use_orig_params:
-                module.register_parameter(FLAT_PARAM, self._handle.flat_param)
+                flat_param_owner(module).register_parameter(FLAT_PARAM, self._handle.flat_param)
         self._runtime = UnitRuntime(self._handle, settings.strategy)
         self._state_dict_type = StateDictType.FULL_STATE_DICT
         self._state_dict_config: StateDictConfig = FullStateDictConfig()
@@ -548,10 +548,11 @@ class FullyShardedDataParallel(nn.Module):
             new_shard = fn(local_shard)
             grad = fn(flat_param.grad) if flat_param.grad is not None else None
         else:
-            registered = self._fsdp_wrapped_module._parameters[FLAT_PARAM]
+            parameters = flat_param_owner(self._fsdp_wrapped_module)._parameters
+            registered = parameters[FLAT_PARAM]
             assert registered is not None
             if registered is not flat_param:  # overwritten: torch.__future__, or meta
-                self._fsdp_wrapped_module._parameters[FLAT_PARAM] = flat_param
+                parameters[FLAT_PARAM] = flat_param
                 handle.check_adoptable(registered.data)
                 flat_param.data = registered.data
                 flat_param.grad = registered.grad

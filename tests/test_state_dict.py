@@ -383,21 +383,25 @@ class _BlockNet(nn.Module):
         return self.out(self.blocks(self.inp(x)))
 
 
-def _checkpointed_then_wrapped(use_orig_params: bool, wrap_blocks: bool) -> FSDP:
+def _checkpointed_then_wrapped(use_orig_params: bool, units: str) -> FSDP:
+    """``_BlockNet`` with each block checkpointed, then wrapped: the blocks inside the
+    wrappers are units (``units="blocks"``), the wrappers are, or only the root is."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointWrapper,
         apply_activation_checkpointing,
     )
 
     model = _BlockNet(seed=0)
     apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, _Block))
-    policy = ModuleWrapPolicy({_Block}) if wrap_blocks else None
+    classes = {"blocks": {_Block}, "wrappers": {CheckpointWrapper}, "root": None}[units]
+    policy = ModuleWrapPolicy(classes) if classes else None
     return FSDP(model, use_orig_params=use_orig_params, auto_wrap_policy=policy)
 
 
-def _checkpoint_wrapper_keys(use_orig_params: bool, wrap_blocks: bool, path: str) -> None:
+def _checkpoint_wrapper_keys(use_orig_params: bool, units: str, path: str) -> None:
     import fullshard.checkpoint as ckpt
 
-    model = _checkpointed_then_wrapped(use_orig_params, wrap_blocks)
+    model = _checkpointed_then_wrapped(use_orig_params, units)
     optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(4, 3)).sum().backward()  # also moves the BatchNorm statistics
     optim.step()
@@ -426,13 +430,14 @@ def _checkpoint_wrapper_keys(use_orig_params: bool, wrap_blocks: bool, path: str
     assert sorted(metadata["optimizer_states"]) == sorted(names)
 
 
-@pytest.mark.parametrize("wrap_blocks", [True, False], ids=["block-units", "root-unit"])
+@pytest.mark.parametrize("units", ["blocks", "wrappers", "root"])
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_state_dict_keys_strip_checkpoint_wrapper(
-    use_orig_params: bool, wrap_blocks: bool, tmp_path: Any
+    use_orig_params: bool, units: str, tmp_path: Any
 ) -> None:
-    """With activation checkpointing applied before wrapping (each block a unit, or inside the
-    root unit): FULL, SHARDED, LOCAL, optimizer and fullshard.checkpoint keys have no
-    ``_checkpoint_wrapped_module.``; the FULL dict loads into the plain model and back."""
+    """With activation checkpointing applied before wrapping (units inside the checkpoint
+    wrappers, units of them, or one root unit): FULL, SHARDED, LOCAL, optimizer and
+    fullshard.checkpoint keys have no ``_checkpoint_wrapped_module.``; the FULL dict loads
+    into the plain model and back into the checkpointed, wrapped one."""
     path = str(tmp_path / "ckpt")
-    run_on_ranks(2, _checkpoint_wrapper_keys, use_orig_params, wrap_blocks, path)
+    run_on_ranks(2, _checkpoint_wrapper_keys, use_orig_params, units, path)
