@@ -19,9 +19,9 @@ unwrapped model would hold, keyed by each original parameter's fully qualified n
 - ``param_groups`` list FQNs instead of parameter ids; parameters with no state yet appear
   there and not under ``state``.
 
-``optim_state_dict_to_load`` walks the given dict in its own order (the same on every rank:
-DTensor values are gathered with ``full_tensor()`` and ``rank0_only`` values broadcast from
-rank 0, one tensor at a time) and cuts each full state to this rank's piece: a flat
+``optim_state_dict_to_load`` walks the given dict in the optimizer's parameter order (the
+same on every rank, whatever the dict's own: DTensor values are gathered with
+``full_tensor()`` and ``rank0_only`` values broadcast from rank 0, one tensor at a time) and cuts each full state to this rank's piece: a flat
 parameter's state is its shard of the concatenated states, an original parameter's its piece.
 The result is keyed by the ids of ``optim.param_groups`` and loads with
 ``optim.load_state_dict``.
@@ -447,7 +447,10 @@ def load(
     # With rank0_only only rank 0 holds the tensors; the others walk the skeleton.
     holder = osd if not rank0_only or dist.get_rank(group) == 0 else None
     states: dict[int, dict[str, Any]] = {}
-    for fqn, param_state in skeleton["state"].items():
+    # In the optimizer's order: the dict's own may differ between ranks (torch's
+    # set_state_dict builds it from sets of FQNs), and DTensor values gather collectively.
+    for fqn in [fqn for fqn in targets if fqn in skeleton["state"]]:
+        param_state = skeleton["state"][fqn]
         position, op = targets[fqn]
         state = states.setdefault(position, {})
         for key, value in param_state.items():

@@ -144,6 +144,30 @@ def test_optim_round_trip(
     run_on_ranks(2, _round_trip, state_dict_type, strategy, use_orig_params, name)
 
 
+def _any_key_order(use_orig_params: bool) -> None:
+    rank = dist.get_rank()
+    model = _wrap(ShardingStrategy.FULL_SHARD, use_orig_params)
+    optim = _optimizer("adam", list(model.parameters()))
+    _step(model, optim, rank, 0)
+    expected = _local_state(optim)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        osd = FSDP.optim_state_dict(model, optim)
+        if rank == 1:  # as a dict built from sets of FQNs may come, on one rank only
+            osd["state"] = dict(reversed(osd["state"].items()))
+        optim = _optimizer("adam", list(model.parameters()))
+        optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, osd))
+    _assert_same_local_state(_local_state(optim), expected)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_sharded_optim_state_dict_loads_whatever_its_order_on_each_rank(
+    use_orig_params: bool,
+) -> None:
+    """A SHARDED optimizer state dict whose FQNs come in another order on one rank loads
+    right: its DTensors are gathered in the optimizer's order, the same on every rank."""
+    run_on_ranks(2, _any_key_order, use_orig_params)
+
+
 def _hybrid_round_trip(state_dict_type: StateDictType) -> None:
     _round_trip(state_dict_type, ShardingStrategy.HYBRID_SHARD, True, "adam")
 
