@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _init_utils, _optim_state_dict, _state_dict
+from . import _dcp_state_dict, _init_utils, _optim_state_dict, _state_dict
 from ._optim_state_dict import OptimStateKeyType
 from ._process_groups import ShardingGroups, effective_strategy, resolve_groups
 from ._runtime import RootState, TrainingState, UnitRuntime, iter_tensors, map_tensors
@@ -258,6 +258,7 @@ class FullyShardedDataParallel(nn.Module):
             )
         settings = _resolve_settings(kwargs)
         _watch_optimizers()
+        _dcp_state_dict.install_when_imported()  # torch's checkpoint API sees the units
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
             warnings.warn(
                 "FSDP will not all-gather parameters for containers that do not implement "

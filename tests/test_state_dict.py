@@ -20,6 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
 from torch.distributed.tensor import DTensor, Shard
 
 from fullshard import (
@@ -424,6 +429,10 @@ def _checkpoint_wrapper_keys(use_orig_params: bool, units: str, path: str) -> No
     osd = FSDP.optim_state_dict(model, optim)
     assert sorted(osd["state"]) == sorted(names)
     assert sorted(fqn for group in osd["param_groups"] for fqn in group["params"]) == sorted(names)
+    full_options = StateDictOptions(full_state_dict=True)  # torch's checkpoint API
+    assert list(get_model_state_dict(model, options=full_options)) == list(full)
+    torch_osd = get_optimizer_state_dict(model, optim, options=full_options)
+    assert sorted(torch_osd["state"]) == sorted(names)
     ckpt.save(path, model, optim)
     metadata = ckpt.read_metadata(path)
     assert list(metadata["model"]) == sorted(full)  # fullshard.json keeps keys sorted
@@ -436,8 +445,8 @@ def test_state_dict_keys_strip_checkpoint_wrapper(
     use_orig_params: bool, units: str, tmp_path: Any
 ) -> None:
     """With activation checkpointing applied before wrapping (units inside the checkpoint
-    wrappers, units of them, or one root unit): FULL, SHARDED, LOCAL, optimizer and
-    fullshard.checkpoint keys have no ``_checkpoint_wrapped_module.``; the FULL dict loads
-    into the plain model and back into the checkpointed, wrapped one."""
+    wrappers, units of them, or one root unit): FULL, SHARDED, LOCAL, optimizer, torch's
+    checkpoint API and fullshard.checkpoint keys have no ``_checkpoint_wrapped_module.``; the
+    FULL dict loads into the plain model and back into the checkpointed, wrapped one."""
     path = str(tmp_path / "ckpt")
     run_on_ranks(2, _checkpoint_wrapper_keys, use_orig_params, units, path)
