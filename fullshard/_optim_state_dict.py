@@ -21,8 +21,9 @@ unwrapped model would hold, keyed by each original parameter's fully qualified n
 
 ``optim_state_dict_to_load`` walks the given dict in the optimizer's parameter order (the
 same on every rank, whatever the dict's own: DTensor values are gathered with
-``full_tensor()`` and ``rank0_only`` values broadcast from rank 0, one tensor at a time) and cuts each full state to this rank's piece: a flat
-parameter's state is its shard of the concatenated states, an original parameter's its piece.
+``full_tensor()`` and ``rank0_only`` values broadcast from rank 0, one tensor at a time) and
+cuts each full state to this rank's piece: a flat parameter's state is its shard of the
+concatenated states, an original parameter's its piece.
 The result is keyed by the ids of ``optim.param_groups`` and loads with
 ``optim.load_state_dict``.
 """

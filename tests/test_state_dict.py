@@ -388,25 +388,33 @@ class _BlockNet(nn.Module):
         return self.out(self.blocks(self.inp(x)))
 
 
-def _checkpointed_then_wrapped(use_orig_params: bool, units: str) -> FSDP:
+def _checkpointed_model(use_orig_params: bool, units: str) -> FSDP:
     """``_BlockNet`` with each block checkpointed, then wrapped: the blocks inside the
-    wrappers are units (``units="blocks"``), the wrappers are, or only the root is."""
+    wrappers are units (``units="blocks"``), the wrappers are, or only the root is; or
+    (``"after"``) wrapped with block units first and checkpointed inside them."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointWrapper,
         apply_activation_checkpointing,
     )
 
+    def checkpoint(model: nn.Module) -> None:
+        apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, _Block))
+
     model = _BlockNet(seed=0)
-    apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, _Block))
-    classes = {"blocks": {_Block}, "wrappers": {CheckpointWrapper}, "root": None}[units]
+    if units != "after":
+        checkpoint(model)
+    classes = {"wrappers": {CheckpointWrapper}, "root": None}.get(units, {_Block})
     policy = ModuleWrapPolicy(classes) if classes else None
-    return FSDP(model, use_orig_params=use_orig_params, auto_wrap_policy=policy)
+    wrapped = FSDP(model, use_orig_params=use_orig_params, auto_wrap_policy=policy)
+    if units == "after":
+        checkpoint(wrapped)
+    return wrapped
 
 
 def _checkpoint_wrapper_keys(use_orig_params: bool, units: str, path: str) -> None:
     import fullshard.checkpoint as ckpt
 
-    model = _checkpointed_then_wrapped(use_orig_params, units)
+    model = _checkpointed_model(use_orig_params, units)
     optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(4, 3)).sum().backward()  # also moves the BatchNorm statistics
     optim.step()
@@ -439,14 +447,15 @@ def _checkpoint_wrapper_keys(use_orig_params: bool, units: str, path: str) -> No
     assert sorted(metadata["optimizer_states"]) == sorted(names)
 
 
-@pytest.mark.parametrize("units", ["blocks", "wrappers", "root"])
+@pytest.mark.parametrize("units", ["blocks", "wrappers", "root", "after"])
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_state_dict_keys_strip_checkpoint_wrapper(
     use_orig_params: bool, units: str, tmp_path: Any
 ) -> None:
     """With activation checkpointing applied before wrapping (units inside the checkpoint
-    wrappers, units of them, or one root unit): FULL, SHARDED, LOCAL, optimizer, torch's
-    checkpoint API and fullshard.checkpoint keys have no ``_checkpoint_wrapped_module.``; the
-    FULL dict loads into the plain model and back into the checkpointed, wrapped one."""
+    wrappers, units of them, or one root unit) or after: FULL, SHARDED, LOCAL, optimizer,
+    torch's checkpoint API and fullshard.checkpoint keys have no
+    ``_checkpoint_wrapped_module.``; the FULL dict loads into the plain model and back into
+    the checkpointed, wrapped one."""
     path = str(tmp_path / "ckpt")
     run_on_ranks(2, _checkpoint_wrapper_keys, use_orig_params, units, path)
