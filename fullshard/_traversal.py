@@ -11,6 +11,11 @@ __all__: list[str] = []
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
 FLAT_PARAM = "_flat_param"
+FROZEN_FLAT_PARAM = "_frozen_flat_param"
+FLAT_PARAM_NAMES = (FLAT_PARAM, FROZEN_FLAT_PARAM)
+"""What a unit's flat parameters are registered as (use_orig_params=False) and keyed by in
+LOCAL state dicts, by segment: a unit mixing frozen and trainable parameters has a second,
+frozen one (see [Note: frozen parameters] in flat_param.py)."""
 
 
 def clean_fqn(name: str) -> str:
