@@ -77,6 +77,12 @@ def _expected_shard(unit: FSDP, full: list[Tensor]) -> Tensor:
     return padded.chunk(num_shards)[handle.groups.shard_rank]
 
 
+def _numel(unit: FSDP, numel_of: dict[int, int]) -> int:
+    """Elements of the unit's parameters, from the model as built (``numel_of``)."""
+    assert unit._handle is not None
+    return sum(numel_of[id(p)] for p in unit._handle.orig_params)
+
+
 def _trainable_numel(unit: FSDP, numel_of: dict[int, int]) -> int:
     """Elements of the unit's trainable parameters, from the model as built (``numel_of``)."""
     assert unit._handle is not None
@@ -487,3 +493,55 @@ def _summon_with_grads() -> None:
 def test_summon_full_params_with_grads_of_mixed_units() -> None:
     """Full gradients of the trainable parameters, none for the frozen ones."""
     run_on_ranks(2, _summon_with_grads)
+
+
+# ----------------------------------------------------------------------------------------
+# The memory model (fullshard.memory) against what a rank holds
+
+
+def _model_state_bytes(strategy: str) -> dict[str, tuple[int, int]]:
+    """Per kind, (measured, estimated) bytes of one rank's shards, gradients, Adam state and
+    one step's sent bytes, for LoRAStack with its frozen base."""
+    from fullshard.memory import communication_bytes, estimate
+
+    rank = dist.get_rank()
+    model = LoRAStack()
+    numel_of = {id(p): p.numel() for p in model.parameters()}
+    fsdp = _wrap(model, strategy, use_orig_params=False)
+    optim = torch.optim.Adam(fsdp.parameters(), lr=1e-2)
+    fsdp(_input(rank, 0)).sum().backward()
+    optim.step()
+    units = _units(fsdp)
+    root, blocks = units[0], units[1:]
+    assert root is fsdp
+    sizes = [_numel(u, numel_of) for u in blocks]
+    trainable = [_trainable_numel(u, numel_of) for u in blocks]
+    kwargs: dict[str, Any] = {
+        "root_numel": _numel(root, numel_of),
+        "trainable_numels": trainable,
+        "root_trainable_numel": _trainable_numel(root, numel_of),
+    }
+    predicted = estimate(sizes, dist.get_world_size(), strategy, **kwargs)
+    COUNTERS.reset()
+    fsdp(_input(rank, 1)).sum().backward()
+    sent = communication_bytes(sizes, dist.get_world_size(), strategy, **kwargs)
+    params = sum(p.numel() * p.element_size() for p in fsdp.parameters())
+    grads = sum(p.grad.numel() * 4 for p in fsdp.parameters() if p.grad is not None)
+    states = sum(s["exp_avg"].numel() * 4 * 2 for s in optim.state.values())
+    return {
+        "params": (params, predicted.params),
+        "grads": (grads, predicted.grads),
+        "optimizer": (states, predicted.optimizer),
+        "sent": (int(COUNTERS.total_bytes), sent),
+    }
+
+
+@pytest.mark.parametrize("strategy", FLAT)
+def test_memory_model_counts_trainable_gradients(strategy: str) -> None:
+    """fullshard.memory.estimate with trainable_numels gives the shards', gradients' and
+    Adam state's bytes a rank holds exactly, and the bytes it sends within padding."""
+    for kind, (measured, predicted) in run_on_ranks(2, _model_state_bytes, strategy)[0].items():
+        if kind == "sent":  # the model's ring estimate ignores padding
+            assert measured == pytest.approx(predicted, rel=0.02), kind
+        else:
+            assert measured == predicted, kind
