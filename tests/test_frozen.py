@@ -25,6 +25,7 @@ from fullshard import (
     CPUOffload,
     FullOptimStateDictConfig,
     FullStateDictConfig,
+    MixedPrecision,
     ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
     ShardingStrategy,
@@ -545,3 +546,72 @@ def test_memory_model_counts_trainable_gradients(strategy: str) -> None:
             assert measured == pytest.approx(predicted, rel=0.02), kind
         else:
             assert measured == predicted, kind
+
+
+# ----------------------------------------------------------------------------------------
+# Precision: mixed precision, full-precision eval, a model converted after wrapping
+
+
+def _mixed_precision_with_mixed_units(use_orig_params: bool) -> None:
+    rank = dist.get_rank()
+    plain = LoRAStack()
+    bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    fsdp = _wrap(copy.deepcopy(plain), "FULL_SHARD", use_orig_params, mixed_precision=bf16)
+    COUNTERS.reset()
+    _train(fsdp, torch.optim.Adam(fsdp.parameters(), lr=1e-2), range(2))
+    # Per step every segment is gathered in bf16 for forward and again for backward (the
+    # root once: it keeps its parameters); all_gather counts bytes x (N - 1) / N.
+    expected = 0
+    for unit in _units(fsdp):
+        assert unit._handle is not None
+        gathers = 1 if unit is fsdp else 2
+        expected += sum(f.numel() * 2 * gathers for f in unit._handle.flat_params)
+    num_ranks = dist.get_world_size()
+    assert COUNTERS.bytes_sent["all_gather"] == 2 * expected * (num_ranks - 1)
+    trained = _full_values(fsdp)
+    for fqn, param in plain.named_parameters():
+        assert trained[fqn].dtype == torch.float32, fqn
+        if not param.requires_grad:
+            assert torch.equal(trained[fqn], param.detach()), f"frozen {fqn} changed"
+    plain.load_state_dict(trained)
+    fsdp.eval()  # FSDP_USE_FULL_PREC_IN_EVAL=1: both segments gathered in float32
+    with torch.no_grad():
+        x = _input(rank, 9)
+        torch.testing.assert_close(fsdp(x), plain(x), rtol=1e-6, atol=1e-6)
+
+
+@each_use_orig_params
+def test_mixed_precision_and_full_precision_eval_with_mixed_units(use_orig_params: bool) -> None:
+    """bf16 compute: both segments all-gather bf16 bytes, sharded gradients stay
+    trainable-only, frozen parameters unchanged; eval in full precision equals the fp32
+    model."""
+    env = {"FSDP_USE_FULL_PREC_IN_EVAL": "1"}
+    run_on_ranks(2, _mixed_precision_with_mixed_units, use_orig_params, env=env)
+
+
+def _converted_after_wrapping(use_orig_params: bool) -> None:
+    rank = dist.get_rank()
+    plain = LoRAStack().double()
+    fsdp = _wrap(LoRAStack(), "FULL_SHARD", use_orig_params).double()
+    for unit in _units(fsdp):
+        assert unit._handle is not None
+        assert [f.dtype for f in unit._handle.flat_params] == [torch.float64] * 2
+    optim = torch.optim.Adam(fsdp.parameters(), lr=1e-2)
+    counts: dict[str, int] | None = None
+    for step in range(2):
+        fsdp(_input(rank, step).double()).pow(2).mean().backward()
+        counts = counts or _trainable_by_unit(fsdp)
+        _assert_trainable_only_grads(fsdp, counts)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    trained = _full_values(fsdp)
+    for fqn, param in plain.named_parameters():
+        assert trained[fqn].dtype == torch.float64, fqn
+        assert torch.equal(trained[fqn], param.detach()) == (not param.requires_grad), fqn
+
+
+@each_use_orig_params
+def test_model_converted_after_wrapping_keeps_both_segments(use_orig_params: bool) -> None:
+    """``.double()`` after wrapping converts the trainable and the frozen segment; training
+    then changes the adapters only."""
+    run_on_ranks(2, _converted_after_wrapping, use_orig_params)
