@@ -139,6 +139,10 @@ def _grads_match_ddp(strategy: str, use_orig_params: bool, offload: bool) -> Non
         where = f"rank {rank} step {step}"
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=where)
         _check_grads(fsdp, ref_model, fqn_of, where)
+        ref_trainable = [p for p in ref_model.parameters() if p.requires_grad]
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref_trainable, max_norm=0.5)
+        torch.testing.assert_close(fsdp.clip_grad_norm_(0.5), ref_norm, rtol=1e-5, atol=1e-6)
+        _check_grads(fsdp, ref_model, fqn_of, f"{where}, clipped")
         ref_optim.step()
         optim.step()
         ref_optim.zero_grad(set_to_none=True)
@@ -225,14 +229,13 @@ def _gradient_memory(strategy: str, use_orig_params: bool) -> None:
             grads = [p.grad for p in handle.orig_params if p.grad is not None]
             assert sum(g.numel() for g in grads) == _real_elements_on_rank(unit, count)
     optim.step()
-    _check_optimizer_state(optim, units, trainable, numel_of, use_orig_params)
+    _check_optimizer_state(optim, units, trainable, use_orig_params)
 
 
 def _check_optimizer_state(
     optim: torch.optim.Optimizer,
     units: list[FSDP],
     trainable: list[int],
-    numel_of: dict[int, int],
     use_orig_params: bool,
 ) -> None:
     """Adam's state exists for trainable elements only (the shard's padding included with
@@ -398,9 +401,25 @@ def _adam_states(optim_state_dict: dict[str, Any]) -> dict[str, dict[str, Tensor
     }
 
 
-def _optim_state_dict_round_trip(sharded: bool, use_orig_params: bool) -> None:
+_OPTIM_CONFIGS: dict[str, tuple[StateDictType, Any, Any]] = {
+    "FULL": (StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()),
+    "FULL_rank0_only": (
+        StateDictType.FULL_STATE_DICT,
+        FullStateDictConfig(),
+        FullOptimStateDictConfig(rank0_only=True),
+    ),
+    "SHARDED": (
+        StateDictType.SHARDED_STATE_DICT,
+        ShardedStateDictConfig(),
+        ShardedOptimStateDictConfig(),
+    ),
+}
+
+
+def _optim_state_dict_round_trip(kind: str, use_orig_params: bool) -> None:
     """Adam's state dict names trainable parameters only, holds DDP's values, and loads into
-    a fresh model whose next step then matches the original's."""
+    a fresh model whose next step then matches the original's (with rank0_only, rank 0
+    alone holds it and broadcasts it on loading)."""
     rank = dist.get_rank()
     ref_model = LoRAStack()
     ref = DDP(ref_model)
@@ -412,21 +431,20 @@ def _optim_state_dict_round_trip(sharded: bool, use_orig_params: bool) -> None:
         ref_optim.step()
         ref_optim.zero_grad()
     _train(fsdp, optim, range(2))
-    state_dict_type, config, optim_config = (
-        (StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig())
-        if sharded
-        else (StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig())
-    )
+    state_dict_type, config, optim_config = _OPTIM_CONFIGS[kind]
     with FSDP.state_dict_type(fsdp, state_dict_type, config, optim_config):
         model_state = fsdp.state_dict()
         osd = FSDP.optim_state_dict(fsdp, optim)
-    trainable = [fqn for fqn, p in ref_model.named_parameters() if p.requires_grad]
-    assert sorted(osd["state"]) == sorted(trainable), sorted(osd["state"])
-    reference = {fqn: dict(ref_optim.state[p]) for fqn, p in ref_model.named_parameters()}
-    for fqn, states in _adam_states(osd).items():
-        for key, value in states.items():
-            full = value.full_tensor() if sharded else value  # type: ignore[union-attr]
-            torch.testing.assert_close(full, reference[fqn][key], rtol=1e-5, atol=1e-7)
+    if kind == "FULL_rank0_only" and rank != 0:
+        assert osd == {}, osd
+    else:
+        trainable = [fqn for fqn, p in ref_model.named_parameters() if p.requires_grad]
+        assert sorted(osd["state"]) == sorted(trainable), sorted(osd["state"])
+        reference = {fqn: dict(ref_optim.state[p]) for fqn, p in ref_model.named_parameters()}
+        for fqn, states in _adam_states(osd).items():
+            for key, value in states.items():
+                full = value.full_tensor() if kind == "SHARDED" else value  # type: ignore[union-attr]
+                torch.testing.assert_close(full, reference[fqn][key], rtol=1e-5, atol=1e-7)
     fresh = _wrap(LoRAStack(seed=1), "FULL_SHARD", use_orig_params)
     fresh_optim = torch.optim.Adam(fresh.parameters(), lr=1e-2)
     with FSDP.state_dict_type(fresh, state_dict_type, config, optim_config):
@@ -441,11 +459,33 @@ def _optim_state_dict_round_trip(sharded: bool, use_orig_params: bool) -> None:
 
 
 @each_use_orig_params
-@pytest.mark.parametrize("sharded", [False, True], ids=["FULL", "SHARDED"])
-def test_optim_state_dict_round_trip_with_mixed_units(sharded: bool, use_orig_params: bool) -> None:
-    """FULL and SHARDED optimizer state dicts: keyed by the trainable parameters' FQNs, equal
-    to DDP's Adam state, and a fresh model resumes from them exactly."""
-    run_on_ranks(2, _optim_state_dict_round_trip, sharded, use_orig_params)
+@pytest.mark.parametrize("kind", list(_OPTIM_CONFIGS))
+def test_optim_state_dict_round_trip_with_mixed_units(kind: str, use_orig_params: bool) -> None:
+    """FULL (also rank0_only) and SHARDED optimizer state dicts: keyed by the trainable
+    parameters' FQNs, equal to DDP's Adam state, and a fresh model resumes from them exactly."""
+    run_on_ranks(2, _optim_state_dict_round_trip, kind, use_orig_params)
+
+
+def _rank0_only_full_state_dict(use_orig_params: bool) -> None:
+    fsdp = _wrap(LoRAStack(), "FULL_SHARD", use_orig_params)
+    _train(fsdp, torch.optim.Adam(fsdp.parameters(), lr=1e-2), range(1))
+    with FSDP.state_dict_type(fsdp, StateDictType.FULL_STATE_DICT, FullStateDictConfig()):
+        everywhere = fsdp.state_dict()
+    config = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+    with FSDP.state_dict_type(fsdp, StateDictType.FULL_STATE_DICT, config):
+        on_rank0 = fsdp.state_dict()
+    if dist.get_rank() != 0:
+        assert on_rank0 == {}
+        return
+    assert list(on_rank0) == list(everywhere)
+    for key, value in everywhere.items():
+        torch.testing.assert_close(on_rank0[key], value, rtol=0, atol=0, msg=key)
+
+
+@each_use_orig_params
+def test_rank0_only_full_state_dict_of_mixed_units(use_orig_params: bool) -> None:
+    """rank0_only gathers each segment to rank 0: the same values as every rank's FULL dict."""
+    run_on_ranks(2, _rank0_only_full_state_dict, use_orig_params)
 
 
 def _checkpoint_resume(path: str, use_orig_params: bool) -> None:
