@@ -56,7 +56,7 @@ def clip_grad_norm_(
     for handle in _get_fsdp_handles(root):
         params = handle.orig_params if handle._use_orig_params else [handle.flat_param]
         managed.update(id(p) for p in params)
-        managed.add(id(handle.flat_param))
+        managed.update(id(flat_param) for flat_param in handle.flat_params)
         grads = [p.grad for p in params if p.grad is not None]
         if handle.uses_sharded_strategy:
             # Keyed by group, in traversal order: the same order of all-reduces on every rank.

@@ -10,6 +10,10 @@ Worked example: parameters of 3 and 4 elements on 3 ranks::
     rank 0 shard [0, 3):             [a0 a1 a2]        -> a[0:3]
     rank 1 shard [3, 6):             [b0 b1 b2]        -> b[0:3]
     rank 2 shard [6, 9):             [b3 pad pad]      -> b[3:4]
+
+A unit whose parameters differ in ``requires_grad`` is laid out as two such buffers
+("segments", see ``UnitLayout``), each padded and sharded on its own: the trainable
+parameters first, then the frozen ones.
 """
 
 from __future__ import annotations
@@ -116,3 +120,70 @@ def make_layout(
         slots.append(ParamSlot(fqn, torch.Size(shape), numel, offset, requires_grad))
         offset += numel
     return FlatLayout(tuple(slots), offset, padded_numel(offset, num_shards), num_shards)
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """A unit's parameters in one flat segment, or two when they differ in ``requires_grad``.
+
+    A unit whose parameters all train (or are all frozen) is one segment, the ``FlatLayout``
+    it has always been. A unit mixing them gets a trainable segment (index 0: what the
+    unit's ``flat_param`` holds, so gradients, their reduction and optimizer state cover the
+    trainable parameters only) and a frozen segment (index 1), each in registration order
+    and each padded and sharded on its own. Worked example: ``a`` (3 elements, trainable),
+    ``b`` (4, frozen) and ``c`` (2, trainable) on 2 ranks::
+
+        segment 0 (trainable, padded 6): [a0 a1 a2 | c0 c1 pad]
+            rank 0: [a0 a1 a2]    rank 1: [c0 c1 pad]
+        segment 1 (frozen, padded 4):    [b0 b1 b2 b3]
+            rank 0: [b0 b1]       rank 1: [b2 b3]
+    """
+
+    segments: tuple[FlatLayout, ...]
+    locations: tuple[tuple[int, int], ...]
+    """Per parameter, in registration order: its (segment, slot) indices."""
+
+    @property
+    def num_params(self) -> int:
+        return len(self.locations)
+
+    def slot(self, index: int) -> ParamSlot:
+        """Parameter ``index`` (registration order)'s slot in its segment."""
+        segment, slot = self.locations[index]
+        return self.segments[segment].slots[slot]
+
+    def param_indices(self, segment: int) -> list[int]:
+        """The parameters of ``segment``, in its slot order."""
+        return [i for i, (seg, _) in enumerate(self.locations) if seg == segment]
+
+
+def make_unit_layout(
+    fqns: list[str],
+    shapes: list[torch.Size],
+    requires_grads: list[bool],
+    num_shards: int,
+) -> UnitLayout:
+    """Lay out a unit's parameters: one segment, or trainable then frozen (see ``UnitLayout``)."""
+    if not len(fqns) == len(shapes) == len(requires_grads):
+        raise ValueError("fqns, shapes and requires_grads must have the same length")
+    if len(set(requires_grads)) <= 1:
+        groups = [list(range(len(fqns)))]
+    else:
+        groups = [
+            [i for i, trains in enumerate(requires_grads) if trains],
+            [i for i, trains in enumerate(requires_grads) if not trains],
+        ]
+    segments: list[FlatLayout] = []
+    locations: list[tuple[int, int]] = [(-1, -1)] * len(fqns)
+    for segment, indices in enumerate(groups):
+        segments.append(
+            make_layout(
+                [fqns[i] for i in indices],
+                [shapes[i] for i in indices],
+                [requires_grads[i] for i in indices],
+                num_shards,
+            )
+        )
+        for slot, index in enumerate(indices):
+            locations[index] = (segment, slot)
+    return UnitLayout(tuple(segments), tuple(locations))

@@ -97,8 +97,12 @@ def _model_params(
         fqns = [fqn_of[(id(handle), index)] for index in range(len(handle.orig_params))]
         unit_fqns[id(handle)] = fqns
         if not unit._use_orig_params:
-            indices = list(range(len(fqns)))
-            params[id(handle.flat_param)] = _OptimParam(handle.flat_param, fqns, handle, indices)
+            for segment in handle.segments:
+                indices = list(segment.indices)
+                flat_fqns = [fqns[index] for index in indices]
+                params[id(segment.flat_param)] = _OptimParam(
+                    segment.flat_param, flat_fqns, handle, indices
+                )
             continue
         for index, param in enumerate(handle.orig_params):
             params[id(param)] = _OptimParam(param, [fqns[index]], handle, [index])
@@ -199,15 +203,17 @@ def _local_shard_of_state(
     key: str,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """This rank's shard of the unit's flat state ``key`` (zeros where it holds none)."""
-    shard_numel = handle.layout.shard_numel if handle.uses_sharded_strategy else handle.layout.numel
+    """This rank's shard of flat state ``key`` of the segment holding ``indices`` (zeros where
+    it holds none)."""
+    layout = handle.segment_of(indices[0]).layout
+    shard_numel = layout.shard_numel if handle.uses_sharded_strategy else layout.numel
     first = by_index.get(indices[0])
     if first is not None and first[0].is_flat and key in first[1]:
         return first[1][key].detach().reshape(-1)[:shard_numel].to(handle.device)  # (shard,)
     shard = torch.zeros(shard_numel, dtype=dtype, device=handle.device)
     for index in indices:
         found = by_index.get(index)
-        piece = handle._pieces[index]
+        piece = handle.piece(index)
         if found is None or key not in found[1] or piece is None:
             continue
         value = found[1][key].detach().reshape(-1)
@@ -223,28 +229,30 @@ def _unit_states(
     to_rank0: bool,
 ) -> Iterable[tuple[int, str, torch.Tensor]]:
     """Yields ``(index, key, full state)`` for every parameter-shaped state of the unit, one
-    collective per (key, dtype): an all-gather (each full value valid until the next yield),
-    or with ``to_rank0`` a gather to rank 0 into fresh memory, yielded on rank 0 only."""
+    collective per (segment, key, dtype): an all-gather (each full value valid until the next
+    yield), or with ``to_rank0`` a gather to rank 0 into fresh memory, yielded on rank 0 only."""
     if to_rank0 and 0 not in dist.get_process_group_ranks(handle.groups.shard):
         return  # another replica of this unit's shards sends them to rank 0
-    wanted: dict[tuple[str, torch.dtype], list[int]] = {}
+    wanted: dict[tuple[str, int, torch.dtype], list[int]] = {}
     for index, fqn in enumerate(fqns):
+        segment_index = handle.layout.locations[index][0]
         for key, meta in metadata.get(fqn, {}).items():
             if meta.kind == "tensor":
                 assert meta.dtype is not None
-                wanted.setdefault((key, meta.dtype), []).append(index)
-    for (key, dtype), indices in sorted(wanted.items(), key=lambda item: item[0][0]):
+                wanted.setdefault((key, segment_index, meta.dtype), []).append(index)
+    for (key, _, dtype), indices in sorted(wanted.items(), key=lambda item: item[0][:2]):
+        segment = handle.segment_of(indices[0])
         shard = _local_shard_of_state(handle, by_index, indices, key, dtype)
         label = f"{handle.label}.optim.{key}"
         full_flat: torch.Tensor | None = shard
         if to_rank0:
-            full_flat = handle.gather_flat_to_first_rank(shard, label)
+            full_flat = segment.gather_flat_to_first_rank(shard, label)
         elif handle.uses_sharded_strategy:
-            full_flat = shard.new_empty(handle.layout.padded_numel)  # (padded_numel,)
+            full_flat = shard.new_empty(segment.layout.padded_numel)  # (padded_numel,)
             comm.all_gather_into(full_flat, shard, handle.groups.shard, label).wait()
         if full_flat is None:
             continue
-        views = handle.views_of_flat(full_flat)
+        views = dict(zip(segment.indices, segment.views_of_flat(full_flat)))
         for index in indices:
             yield index, key, views[index]
 
@@ -500,10 +508,10 @@ def _load_tensor(
         state[key] = full.detach().to(device, copy=True)
         return
     index = op.indices[op.fqns.index(fqn)]
-    slot = op.handle.layout.slots[index]
+    slot = op.handle.slot(index)
     if full.shape != slot.shape:
         raise ValueError(_shape_error(fqn, key, full.shape, slot.shape))
-    piece = op.handle._pieces[index]
+    piece = op.handle.piece(index)
     flat = full.detach().reshape(-1)
     if op.is_flat:
         if key not in state:  # (shard_numel,): zeros where no original parameter has this state
@@ -547,7 +555,7 @@ def _holds_piece(op: _OptimParam) -> bool:
     """An original parameter with no piece on this rank gets no gradient, so no state."""
     if op.handle is None or op.is_flat:
         return True
-    return op.param.numel() > 0 or op.handle.layout.slots[op.indices[0]].numel == 0
+    return op.param.numel() > 0 or op.handle.slot(op.indices[0]).numel == 0
 
 
 def _id_param_groups(

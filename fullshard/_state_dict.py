@@ -38,10 +38,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from . import _collectives as comm
+from ._flat_segment import FlatSegment
 from ._process_groups import ShardingGroups
 from ._traversal import (
     CHECKPOINT_WRAPPED_MODULE,
-    FLAT_PARAM,
+    FLAT_PARAM_NAMES,
     FSDP_PREFIX,
     FSDP_WRAPPED_MODULE,
     clean_fqn,
@@ -256,7 +257,8 @@ def unit_state_dict(
         for path, unit in unit_paths.items():
             handle = unit._handle
             if handle is not None:
-                values[path + FLAT_PARAM] = _local_value(handle, device_type, config)
+                for name, segment in zip(FLAT_PARAM_NAMES, handle.segments):
+                    values[path + name] = _local_value(handle, segment, device_type, config)
     else:
         values = _managed_values(entries, state_dict_type, config, device_type)
     if not keep:
@@ -314,20 +316,16 @@ def _full_on_rank0(handle: FlatParamHandle, offload_to_cpu: bool) -> list[torch.
     ranks only send their shard (ranks of other replicas of it, nothing)."""
     if 0 not in dist.get_process_group_ranks(handle.groups.shard):
         return None
-    shard = handle.flat_param._local_shard.detach()  # the master copy, in full precision
-    flat = handle.gather_flat_to_first_rank(shard, handle.label)
-    if flat is None:
-        return None
-    if offload_to_cpu and flat.device.type != "cpu":
-        flat = flat.cpu()
-    return handle.views_of_flat(flat)
+    return handle.full_params_on_first_rank(torch.device("cpu") if offload_to_cpu else None)
 
 
-def _local_value(handle: FlatParamHandle, device_type: str, config: StateDictConfig) -> DTensor:
-    shard = handle.flat_param._local_shard.detach()
+def _local_value(
+    handle: FlatParamHandle, segment: FlatSegment, device_type: str, config: StateDictConfig
+) -> DTensor:
+    shard = segment.flat_param._local_shard.detach()
     if config.offload_to_cpu:
         shard = shard.to("cpu")
-    padded = handle.layout.padded_numel
+    padded = segment.layout.padded_numel
     return DTensor.from_local(
         shard,
         _mesh(handle.groups, device_type),
@@ -372,16 +370,16 @@ def load_pre_hook(
         handle.reshard()
     paths = _module_paths(unit._fsdp_wrapped_module)
     if unit._state_dict_type == StateDictType.LOCAL_STATE_DICT:
-        key = wrapped + FLAT_PARAM
-        value = state_dict.pop(key, None)
-        if value is None:
-            missing_keys.append(prefix + FLAT_PARAM)
-        else:
+        for name, segment in zip(FLAT_PARAM_NAMES, handle.segments):
+            value = state_dict.pop(wrapped + name, None)
+            if value is None:
+                missing_keys.append(prefix + name)
+                continue
             local = value.to_local() if isinstance(value, DTensor) else value
-            shard = handle.flat_param._local_shard
+            shard = segment.flat_param._local_shard
             if local.numel() != shard.numel():
                 raise ValueError(
-                    f"cannot load '{prefix}{FLAT_PARAM}' into FSDP unit '{handle.label}': "
+                    f"cannot load '{prefix}{name}' into FSDP unit '{handle.label}': "
                     f"the local shard has {local.numel()} elements but this rank's shard has "
                     f"{shard.numel()}. A LOCAL_STATE_DICT loads only at the world size and "
                     "wrapping it was saved with; use SHARDED_STATE_DICT to change them"
@@ -401,7 +399,8 @@ def load_pre_hook(
             handle.load_full_param(index, _as_full(value, found[0]))
     # What nn.Module's own loading of the wrapped modules will look for: no-op copies.
     if not unit._use_orig_params:
-        state_dict[wrapped + FLAT_PARAM] = handle.flat_param
+        for name, flat_param in zip(FLAT_PARAM_NAMES, handle.flat_params):
+            state_dict[wrapped + name] = flat_param
     else:
         for param, owners in zip(handle.orig_params, handle.owners):
             for module, name in owners:

@@ -15,6 +15,11 @@ CHECKPOINT_WRAPPED_MODULE = "_checkpoint_wrapped_module"
 """The child an activation-checkpointing wrapper (torch's ``checkpoint_wrapper``) holds its
 module under; torch strips it from state-dict keys, so fullshard does too."""
 CHECKPOINT_PREFIX = CHECKPOINT_WRAPPED_MODULE + "."
+FROZEN_FLAT_PARAM = "_frozen_flat_param"
+FLAT_PARAM_NAMES = (FLAT_PARAM, FROZEN_FLAT_PARAM)
+"""What a unit's flat parameters are registered as (use_orig_params=False) and keyed by in
+LOCAL state dicts, by segment: a unit mixing frozen and trainable parameters has a second,
+frozen one (see [Note: frozen parameters] in flat_param.py)."""
 
 
 def clean_fqn(name: str) -> str:

@@ -89,8 +89,9 @@ class StateDictType(enum.Enum):
     FULL_STATE_DICT = enum.auto()
     """The unwrapped model's keys and full tensors: loads into the plain model."""
     LOCAL_STATE_DICT = enum.auto()
-    """Each unit's flat shard (``<unit path>._flat_param``), as a DTensor over the unit's
-    ranks: only loads back at the same world size and wrapping."""
+    """Each unit's flat shard (``<unit path>._flat_param``, and ``._frozen_flat_param`` for
+    a unit mixing frozen and trainable parameters), as a DTensor over the unit's ranks: only
+    loads back at the same world size and wrapping."""
     SHARDED_STATE_DICT = enum.auto()
     """The unwrapped model's keys, each parameter a DTensor sharded on dim 0 over the
     unit's ranks: save and load with ``torch.distributed.checkpoint``, at any world size."""

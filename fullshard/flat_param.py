@@ -1,18 +1,17 @@
-"""One flat parameter per FSDP unit, and the handle that owns its storage and gradients.
+"""The handle that owns an FSDP unit's flat parameters, their views and their gradients.
 
-The handle owns three buffers:
+A unit's parameters are flattened into one flat segment, or two when they differ in
+``requires_grad`` (see [Note: frozen parameters]); each segment (``_flat_segment``) owns its
+``FlatParameter`` (this rank's shard, the optimizer's master copy), the padded unsharded
+buffer the all-gather writes into, and the autograd leaf modules compute with. The handle
+owns what spans segments: the unit's state (``HandleState``), the dtypes, which module
+attributes refer to which parameter's view, and the gradient: the trainable segment's leaf
+accumulates the unsharded gradient, its post-accumulate-grad hook is the unit's post-backward,
+and the reduced, sharded gradient lives on ``flat_param.grad``.
 
-- ``flat_param._local_shard``: this rank's shard in the parameters' own dtype (the optimizer's
-  master copy), the storage ``flat_param`` (what a ``use_orig_params=False`` optimizer steps
-  on) always points at. With ``CPUOffload(offload_params=True)`` it lives on the CPU. With
-  ``use_orig_params`` the original parameters are 1-D views of their pieces of it.
-- ``flat_param._full_param_padded``: the padded unsharded buffer the all-gather writes into,
-  on the compute device, in the compute dtype (``MixedPrecision.param_dtype``). Its storage
-  is freed (resized to 0) whenever the handle is SHARDED.
-- ``_unsharded_flat_param``: a separate autograd leaf over the first ``numel`` elements of
-  that storage. During compute, modules see views of it; autograd accumulates the unsharded
-  gradient into its ``.grad``, and its post-accumulate-grad hook is the unit's post-backward.
-  With NO_SHARD, in the shard's dtype and on its device, the leaf aliases the shard itself.
+``flat_param`` is the first segment's flat parameter: the only one of a uniform unit, the
+trainable one of a mixed unit. With ``use_orig_params`` the original parameters are 1-D views
+of their pieces of their segment's shard.
 
 See [Note: a separate unsharded leaf] for why ``flat_param`` itself never changes storage,
 and [Note: mixed precision] for the dtypes.
@@ -28,10 +27,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from . import _collectives as comm
-from ._layout import FlatLayout, ShardPiece, make_layout
+from ._flat_segment import FlatParameter, FlatSegment
+from ._layout import ParamSlot, ShardPiece, UnitLayout, make_unit_layout
 from ._process_groups import ShardingGroups, gradient_divide_factors
 from .api import MixedPrecision, ShardingStrategy
 
@@ -52,7 +51,7 @@ _FSDP_USE_UNSAFE_SETATTR = "FSDP_USE_UNSAFE_SETATTR"
 # [Note: mixed precision]
 # Three dtypes per handle, named as torch's FSDP names them:
 # - `_orig_param_dtype`: the parameters' own dtype, the dtype of the shard (the optimizer's
-#   master copy). A model converted with `.half()` after wrapping changes it (see `adopt_shard`).
+#   master copy). A model converted with `.half()` after wrapping changes it (see `adopt_shards`).
 # - `_fwd_bwd_param_dtype`: `MixedPrecision.param_dtype`, else the original dtype. The shard is
 #   cast to it *before* the all-gather, so the wire carries the low-precision bytes, and the
 #   unsharded leaf (and so the unsharded gradient) is in it.
@@ -64,28 +63,19 @@ _FSDP_USE_UNSAFE_SETATTR = "FSDP_USE_UNSAFE_SETATTR"
 # compute-dtype leaf that a pending backward's graph refers to is never replaced.
 
 
-class FlatParameter(nn.Parameter):
-    """The flattened, sharded parameters of one FSDP unit.
-
-    Its data is always this rank's shard (``_local_shard``); it is what the optimizer sees
-    with ``use_orig_params=False``. Its ``.grad`` is the sharded, averaged gradient.
-    """
-
-    _local_shard: torch.Tensor
-    _full_param_padded: torch.Tensor
-    """The unsharded buffer in the compute dtype (see ``FlatParamHandle``)."""
-    _full_prec_full_param_padded: torch.Tensor | None
-    """With mixed precision, the unsharded buffer in the original dtype (summon, eval)."""
-
-    @classmethod
-    def from_shard(
-        cls, local_shard: torch.Tensor, full_param_padded: torch.Tensor, requires_grad: bool
-    ) -> FlatParameter:
-        flat_param = cls(local_shard, requires_grad=requires_grad)
-        flat_param._local_shard = local_shard
-        flat_param._full_param_padded = full_param_padded
-        flat_param._full_prec_full_param_padded = None
-        return flat_param
+# [Note: frozen parameters]
+# A unit whose parameters differ in `requires_grad` (a frozen base with trainable adapters:
+# LoRA, PEFT) keeps them in two flat segments, each padded and sharded on its own (see
+# `_layout.UnitLayout`): the trainable segment, whose flat parameter is `flat_param`, and the
+# frozen one, a second `FlatParameter` with requires_grad=False. Only the trainable segment's
+# leaf requires grad, so autograd allocates the unsharded gradient for the trainable
+# parameters only, the reduce-scatter sends only it, `flat_param.grad` is only its shard and,
+# with use_orig_params=False, the optimizer's state covers only trainable elements. torch's
+# FSDP1 refuses such units with use_orig_params=False and, with True, computes and reduces a
+# gradient for the whole unit, frozen elements included. The price is a second all-gather
+# per unshard (one per segment). Frozen views do not require grad, yet autograd may still
+# read them (to compute input gradients) after the trainable leaf's post-backward hook, so
+# such a unit is resharded at the end of backward instead (`has_detached_frozen_views`).
 
 
 class HandleState(enum.Enum):
@@ -116,19 +106,6 @@ class _PendingReduction:
 RELEASED_FROM = "_fullshard_released_from"
 """Set on an original parameter whose values moved into a flat parameter (to its name);
 see `_check_optimizer_params` in fully_sharded_data_parallel.py."""
-
-
-@dataclass
-class _Unsharded:
-    """An unsharded buffer and the autograd leaf over it (see [Note: a separate unsharded leaf])."""
-
-    padded: torch.Tensor
-    """What the all-gather writes into; its storage is freed while the handle is SHARDED."""
-    leaf: torch.Tensor
-    """The first ``numel`` elements of ``padded`` (or of the shard itself, when aliased)."""
-    aliases_shard: bool
-    """NO_SHARD with no cast and no offload: the leaf is the shard, nothing is copied."""
-    hook: RemovableHandle | None
 
 
 def _assign_plain(module: nn.Module, name: str, tensor: torch.Tensor, unsafe: bool) -> None:
@@ -175,12 +152,12 @@ def _assign_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
 
 
 class FlatParamHandle:
-    """Owns a unit's flat parameter: its storage, its views and its gradient.
+    """Owns a unit's flat parameters: their storage (one or two segments), views and gradient.
 
-    Parameters are given in layout order; ``owners[i]`` lists every ``(module, attr)`` that
-    refers to parameter ``i`` (more than one when a parameter is shared, e.g. tied weights).
-    ``device`` is the compute device; with ``offload_params`` the shard and its gradient live
-    on the CPU instead.
+    Parameters are given in registration order; ``owners[i]`` lists every ``(module, attr)``
+    that refers to parameter ``i`` (more than one when a parameter is shared, e.g. tied
+    weights). ``device`` is the compute device; with ``offload_params`` the shards and the
+    gradient live on the CPU instead.
     """
 
     def __init__(
@@ -198,7 +175,7 @@ class FlatParamHandle:
     ) -> None:
         if not params:
             raise ValueError("a FlatParamHandle needs at least one parameter")
-        self._check_uniform(params, fqns, use_orig_params)
+        self._check_uniform_dtype(params, fqns)
         self.label = label
         self.groups = groups
         self.sharding_strategy = strategy
@@ -211,11 +188,9 @@ class FlatParamHandle:
         self._orig_params: list[nn.Parameter] = list(params)
         self._owners = owners
         num_shards = groups.shard_size if self.uses_sharded_strategy else 1
-        self.layout: FlatLayout = make_layout(
+        self.layout: UnitLayout = make_unit_layout(
             fqns, [p.shape for p in params], [p.requires_grad for p in params], num_shards
         )
-        self._shard_rank = groups.shard_rank if self.uses_sharded_strategy else 0
-        self._pieces: tuple[ShardPiece | None, ...] = self.layout.shard_pieces(self._shard_rank)
         self._orig_param_dtype: torch.dtype = params[0].dtype
         self._fwd_bwd_param_dtype: torch.dtype = params[0].dtype
         self._reduce_dtype: torch.dtype = params[0].dtype
@@ -223,35 +198,23 @@ class FlatParamHandle:
             mixed_precision is not None and mixed_precision.keep_low_precision_grads
         )
         self._set_dtypes(params[0].dtype)
-        self.flat_param: FlatParameter = self._make_flat_param(params)
+        self._segments: tuple[FlatSegment, ...] = self._make_segments(params)
+        """The trainable segment first (see [Note: frozen parameters])."""
+        self.flat_param: FlatParameter = self._segments[0].flat_param
         self._post_backward_hook: Callable[[], None] | None = None
-        self._compute: _Unsharded = self._make_unsharded(self._fwd_bwd_param_dtype)
-        """Unsharded buffer and leaf in the compute dtype; its identity never changes while
-        a forward's graph may refer to it."""
-        self._full_prec: _Unsharded | None = None
-        """In the original dtype, built on first use when that differs from the compute dtype."""
-        self._active: _Unsharded = self._compute
-        """The one unsharded (or last unsharded): what modules' views and gradients refer to."""
-        self.flat_param._full_param_padded = self._compute.padded
         self.state = HandleState.SHARDED
-        self._unshard_work: comm.Pending | None = None
-        self._unshard_input: torch.Tensor | None = None
-        """The cast or copied shard an all-gather in flight reads from."""
         self._pending_reduction: _PendingReduction | None = None
         self._has_optim_in_backward = False
         """Original parameters step their own optimizers as gradients are reduced (see
         [Note: optimizer in backward]); set at lazy initialisation."""
         self.exposes_unsharded_params = False
         """Inside ``summon_full_params``: modules see the full parameters as Parameters."""
-        self.has_detached_frozen_views = self.flat_param.requires_grad and not all(
-            slot.requires_grad for slot in self.layout.slots
-        )
         self._release_orig_params()
 
     # -- construction -------------------------------------------------------------------
 
     @staticmethod
-    def _check_uniform(params: list[nn.Parameter], fqns: list[str], use_orig_params: bool) -> None:
+    def _check_uniform_dtype(params: list[nn.Parameter], fqns: list[str]) -> None:
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
             found = ", ".join(f"{fqn}: {p.dtype}" for fqn, p in zip(fqns, params))
@@ -259,13 +222,23 @@ class FlatParamHandle:
                 f"FSDP expects every parameter of one unit to have the same dtype, got {found}; "
                 "cast the module to one dtype or wrap the differing modules in their own units"
             )
-        if not use_orig_params and len({p.requires_grad for p in params}) > 1:
-            frozen = [fqn for fqn, p in zip(fqns, params) if not p.requires_grad]
-            raise ValueError(
-                "Must flatten tensors with uniform `requires_grad` when `use_orig_params=False`; "
-                f"frozen parameters {frozen} share a unit with trainable ones. Pass "
-                "use_orig_params=True, or wrap the frozen modules in their own units"
+
+    def _make_segments(self, params: list[nn.Parameter]) -> tuple[FlatSegment, ...]:
+        segments = []
+        for index, segment_layout in enumerate(self.layout.segments):
+            indices = self.layout.param_indices(index)
+            segment = FlatSegment(
+                segment_layout,
+                indices,
+                [params[i] for i in indices],
+                self.groups,
+                self.uses_sharded_strategy,
+                self.device,
+                self._offload_params,
+                self._fwd_bwd_param_dtype,
             )
+            segments.append(segment)
+        return tuple(segments)
 
     def _set_dtypes(self, orig_dtype: torch.dtype) -> None:
         """Resolve the three dtypes of [Note: mixed precision] from the parameters' dtype."""
@@ -280,79 +253,42 @@ class FlatParamHandle:
     def _shard_device(self) -> torch.device:
         return torch.device("cpu") if self._offload_params else self.device
 
-    def _make_flat_param(self, params: list[nn.Parameter]) -> FlatParameter:
-        layout = self.layout
-        with torch.no_grad():
-            # On the parameters' device: a CPU module stays on the CPU until the user moves
-            # it to the compute device (see [Note: devices] in _init_utils).
-            flat = torch.empty(
-                layout.padded_numel, dtype=self._orig_param_dtype, device=params[0].device
-            )
-            flat[layout.numel :].zero_()
-            for slot, param in zip(layout.slots, params):
-                flat[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
-            start, end = layout.shard_range(self._shard_rank)
-            local_shard = flat[start:end].clone() if self.uses_sharded_strategy else flat
-            local_shard = self._to_shard_device(local_shard)
-        full_param_padded = torch.empty(0, dtype=local_shard.dtype, device=self.device)
-        requires_grad = any(p.requires_grad for p in params)
-        return FlatParameter.from_shard(local_shard, full_param_padded, requires_grad)
+    @property
+    def segments(self) -> tuple[FlatSegment, ...]:
+        """The unit's flat segments: trainable (or the only one) first, then frozen."""
+        return self._segments
 
-    def _to_shard_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        if not self._offload_params:
-            return tensor
-        tensor = tensor.to("cpu")
-        return self._pinned(tensor)
+    @property
+    def flat_params(self) -> list[FlatParameter]:
+        """Each segment's flat parameter, ``flat_param`` first."""
+        return [segment.flat_param for segment in self._segments]
 
-    def _pinned(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Offloaded CPU tensors are pinned when computing on CUDA, so copies are async."""
-        if self.device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():
-            return tensor.pin_memory()
-        return tensor
+    @property
+    def has_detached_frozen_views(self) -> bool:
+        """A frozen segment beside a trainable one: autograd may read the frozen views after
+        the post-backward hook, so the runtime reshards at the end of backward instead (see
+        [Note: frozen parameters])."""
+        return len(self._segments) > 1
 
-    def _make_unsharded(self, dtype: torch.dtype) -> _Unsharded:
-        """Build an unsharded buffer in ``dtype`` and the leaf over it, hooked for backward.
+    def segment_of(self, index: int) -> FlatSegment:
+        """The segment holding parameter ``index`` (registration order)."""
+        return self._segments[self.layout.locations[index][0]]
 
-        See [Note: a separate unsharded leaf].
-        """
-        local_shard = self.flat_param._local_shard
-        aliases_shard = (
-            not self.uses_sharded_strategy
-            and not self._offload_params
-            and dtype == local_shard.dtype
-            and local_shard.device == self.device
-        )
-        if aliases_shard:
-            padded = local_shard.new_empty(0)
-            source = local_shard
-        else:
-            padded = torch.empty(self.layout.padded_numel, dtype=dtype, device=self.device)
-            source = padded
-        leaf = torch.empty(0, dtype=dtype, device=self.device)
-        # `set_` grows a storage too small for the sizes, so the storage must still be
-        # allocated here; it is freed right after.
-        leaf.set_(source.untyped_storage(), source.storage_offset(), (self.layout.numel,), (1,))
-        if not aliases_shard:
-            padded.untyped_storage().resize_(0)
-        leaf.requires_grad_(self.flat_param.requires_grad)
-        hook = None
-        if self._post_backward_hook is not None and leaf.requires_grad:
-            callback = self._post_backward_hook
-            hook = leaf.register_post_accumulate_grad_hook(lambda _: callback())
-        return _Unsharded(padded, leaf, aliases_shard, hook)
+    def slot(self, index: int) -> ParamSlot:
+        """Parameter ``index``'s slot in its segment's layout."""
+        return self.layout.slot(index)
 
-    def _unsharded_buffers(self) -> list[_Unsharded]:
-        if self._full_prec is None or self._full_prec is self._compute:
-            return [self._compute]
-        return [self._compute, self._full_prec]
+    def piece(self, index: int) -> ShardPiece | None:
+        """Parameter ``index``'s piece of this rank's shard of its segment (None if none)."""
+        segment, slot = self.layout.locations[index]
+        return self._segments[segment].pieces[slot]
 
-    def _unsharded_for(self, full_precision: bool) -> _Unsharded:
-        if not full_precision or self._orig_param_dtype == self._fwd_bwd_param_dtype:
-            return self._compute
-        if self._full_prec is None:
-            self._full_prec = self._make_unsharded(self._orig_param_dtype)
-            self.flat_param._full_prec_full_param_padded = self._full_prec.padded
-        return self._full_prec
+    def _segment_label(self, segment_index: int) -> str:
+        """Names a segment's collectives: the unit's label, marked for the frozen segment."""
+        return self.label if segment_index == 0 else f"{self.label} (frozen)"
+
+    def _dtype_for(self, full_precision: bool) -> torch.dtype:
+        return self._orig_param_dtype if full_precision else self._fwd_bwd_param_dtype
 
     def _release_orig_params(self) -> None:
         """Hand the original parameters' storage over to the flat parameter."""
@@ -367,46 +303,35 @@ class FlatParamHandle:
             param.data = param.data.new_empty(0)
             setattr(param, RELEASED_FROM, fqn)
 
-    def check_adoptable(self, converted: torch.Tensor) -> None:
-        """The flat parameter keeps its identity (optimizers hold it), so a conversion must
-        give a tensor it can take in place (``.data``), which e.g. CPU <-> meta cannot."""
-        if not torch._has_compatible_shallow_copy_type(self.flat_param, converted):
-            raise RuntimeError(
-                f"cannot convert FSDP unit '{self.label}' from {self.flat_param.device} to "
-                f"{converted.device}: its flat parameter cannot take a tensor of that type in "
-                "place. Move or cast the module before wrapping it in FSDP instead"
-            )
+    def check_adoptable(self, converted: torch.Tensor, segment: int = 0) -> None:
+        """Whether segment ``segment``'s flat parameter can take ``converted`` in place."""
+        self._segments[segment].check_adoptable(converted, self.label)
 
-    def adopt_shard(self, local_shard: torch.Tensor, grad: torch.Tensor | None) -> None:
-        """Make ``local_shard`` (and ``grad``) the shard after ``module.half()``, ``.to()``...
+    def adopt_shards(self, local_shards: list[torch.Tensor], grad: torch.Tensor | None) -> None:
+        """Make ``local_shards`` (one per segment) and ``grad`` (``flat_param``'s) the shards
+        after ``module.half()``, ``.to()``...
 
         ``nn.Module._apply`` converts registered parameters by replacing their data; this
-        re-points the shard, the unsharded buffer, the leaf and the original parameters'
+        re-points the shards, the unsharded buffers, the leaves and the original parameters'
         views at the converted tensors. The compute device stays: a shard moved elsewhere is
         reported at the next forward (``_init_utils.check_on_compute_device``).
         """
-        self._assert_state(HandleState.SHARDED, "adopt_shard")
-        self.check_adoptable(local_shard)
+        self._assert_state(HandleState.SHARDED, "adopt_shards")
+        assert len(local_shards) == len(self._segments)
+        for index, local_shard in enumerate(local_shards):
+            self.check_adoptable(local_shard, index)
         if self.has_unsharded_grad() or self._pending_reduction is not None:
             raise RuntimeError(
                 f"cannot convert FSDP unit '{self.label}' while it holds an unreduced gradient "
                 "(between backward and the end of a no_sync() block); convert before training "
                 "or after the optimizer step"
             )
-        if self._offload_params:
-            local_shard = self._pinned(local_shard)
-            grad = self._pinned(grad) if grad is not None else None
-        self.flat_param.data = local_shard
-        self.flat_param._local_shard = local_shard
-        self._set_dtypes(local_shard.dtype)
-        for unsharded in self._unsharded_buffers():
-            if unsharded.hook is not None:
-                unsharded.hook.remove()
-        self._compute = self._active = self._make_unsharded(self._fwd_bwd_param_dtype)
-        self._full_prec = None
-        self.flat_param._full_param_padded = self._compute.padded
-        self.flat_param._full_prec_full_param_padded = None
-        if grad is not None and grad.dtype == local_shard.dtype:
+        self._set_dtypes(local_shards[0].dtype)
+        for segment, local_shard in zip(self._segments, local_shards):
+            segment.adopt(local_shard, self._fwd_bwd_param_dtype)
+        if grad is not None and self._offload_params:
+            grad = self._segments[0].pinned(grad)
+        if grad is not None and grad.dtype == local_shards[0].dtype:
             self.flat_param.grad = grad
         elif grad is not None:
             _assign_grad(self.flat_param, grad)
@@ -427,7 +352,7 @@ class FlatParamHandle:
 
     @property
     def param_fqns(self) -> list[str]:
-        return [slot.fqn for slot in self.layout.slots]
+        return [self.slot(index).fqn for index in range(self.layout.num_params)]
 
     def full_param_views(self) -> list[torch.Tensor]:
         """Detached views of the unsharded parameters (the handle must be unsharded)."""
@@ -435,86 +360,61 @@ class FlatParamHandle:
         return [view.detach() for view in self._unsharded_views()]
 
     def load_full_param(self, index: int, value: torch.Tensor) -> None:
-        """Copy this rank's piece of parameter ``index``'s full ``value`` into the shard."""
+        """Copy this rank's piece of parameter ``index``'s full ``value`` into its shard."""
         self._assert_state(HandleState.SHARDED, "load_full_param")
-        slot = self.layout.slots[index]
+        slot = self.slot(index)
         if value.shape != slot.shape:
             raise ValueError(
                 f"cannot load '{slot.fqn}' of FSDP unit '{self.label}': the state dict has shape "
                 f"{tuple(value.shape)} but the parameter has shape {tuple(slot.shape)}"
             )
-        piece = self._pieces[index]
-        if piece is None:
-            return
-        source = value.detach().reshape(-1)[piece.param_start : piece.param_start + piece.numel]
-        with torch.no_grad():
-            self.flat_param._local_shard[piece.shard_start : piece.shard_start + piece.numel].copy_(
-                source
-            )
+        self.segment_of(index).load_piece(self.layout.locations[index][1], value)
 
-    def gather_flat_to_first_rank(self, shard: torch.Tensor, label: str) -> torch.Tensor | None:
-        """The unsharded flat form (``(padded_numel,)``) of the shard-shaped ``shard`` (this
-        rank's shard of the parameters or of an optimizer state), in fresh memory on the
-        shard group's first rank; the other ranks only send and get None. For ``rank0_only``
-        state dicts: no rank but the first allocates a unit-sized buffer."""
-        if not self.uses_sharded_strategy or self.groups.shard_size == 1:
-            return shard.to(self.device, copy=True) if self.groups.shard_rank == 0 else None
-        source = shard.to(self.device)
+    def full_params_on_first_rank(self, device: torch.device | None) -> list[torch.Tensor] | None:
+        """The full parameters (views of fresh memory, moved to ``device`` if given) on the
+        shard group's first rank; the other ranks only send their shards and get None. For
+        ``rank0_only`` state dicts: no rank but the first allocates a unit-sized buffer."""
+        views: dict[int, torch.Tensor] = {}
+        for index, segment in enumerate(self._segments):
+            shard = segment.flat_param._local_shard.detach()  # the master copy
+            flat = segment.gather_flat_to_first_rank(shard, self._segment_label(index))
+            if flat is None:
+                continue
+            if device is not None and flat.device != device:
+                flat = flat.to(device)
+            views.update(zip(segment.indices, segment.views_of_flat(flat)))
         if self.groups.shard_rank != 0:
-            comm.gather_to_first_rank(None, source, self.groups.shard, label).wait()
             return None
-        full = torch.empty(self.layout.padded_numel, dtype=shard.dtype, device=self.device)
-        outputs = list(full.chunk(self.groups.shard_size))  # shard_numel each
-        comm.gather_to_first_rank(outputs, source, self.groups.shard, label).wait()
-        return full
-
-    def views_of_flat(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Per parameter, its view (in its shape) of an unsharded flat tensor."""
-        pieces = torch.split(flat[: self.layout.numel], self.layout.numels)
-        return [piece.view(slot.shape) for piece, slot in zip(pieces, self.layout.slots)]
+        return [views[index] for index in range(self.layout.num_params)]
 
     @property
     def offload_params(self) -> bool:
-        """The shard and its gradient live on the CPU (``CPUOffload(offload_params=True)``)."""
+        """The shards and the gradient live on the CPU (``CPUOffload(offload_params=True)``)."""
         return self._offload_params
-
-    def _sharded_piece_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Per parameter, its piece of the shard-shaped ``flat`` (empty if it has none)."""
-        views: list[torch.Tensor] = []
-        for slot, piece in zip(self.layout.slots, self._pieces):
-            if not self.uses_sharded_strategy:
-                views.append(flat[slot.offset : slot.offset + slot.numel].view(slot.shape))
-            elif piece is None:
-                views.append(flat.new_empty(0))
-            else:
-                views.append(flat[piece.shard_start : piece.shard_start + piece.numel])
-        return views
 
     def _use_sharded_params(self) -> None:
         """``use_orig_params``: original parameters registered, data = their shard pieces."""
-        for param, view in zip(self._orig_params, self._sharded_piece_views(self.flat_param)):
-            param.data = view.detach()
+        for segment in self._segments:
+            views = segment.sharded_piece_views(segment.flat_param)
+            for index, view in zip(segment.indices, views):
+                self._orig_params[index].data = view.detach()
         for param, slot_owners in zip(self._orig_params, self._owners):
             for module, name in slot_owners:
                 _assign_param(module, name, param, self._unsafe_setattr)
 
     def _unsharded_views(self) -> list[torch.Tensor]:
-        """Per parameter, its view of the unsharded leaf, linked to it by autograd.
+        """Per parameter, its view of its segment's active leaf, linked to it by autograd.
 
         Made with grad enabled whatever the caller's mode: autograd runs the pre-backward hook
         with grad disabled, and a view made there would not lead back to the leaf, so a
         recomputation in backward (activation checkpointing) would build a graph that gives
         the parameters no gradient. See [Note: forward inside backward] in _runtime.py.
         """
-        flat = self._active.leaf
+        views: dict[int, torch.Tensor] = {}
         with torch.enable_grad():
-            views = [
-                piece.view(slot.shape)
-                for piece, slot in zip(torch.split(flat, self.layout.numels), self.layout.slots)
-            ]
-        if self.has_detached_frozen_views:
-            views = [v if s.requires_grad else v.detach() for v, s in zip(views, self.layout.slots)]
-        return views
+            for segment in self._segments:
+                views.update(zip(segment.indices, segment.leaf_views()))
+        return [views[index] for index in range(self.layout.num_params)]
 
     def use_unsharded_views(self) -> None:
         """Point every owner module's attribute at its view of the unsharded parameter."""
@@ -554,53 +454,40 @@ class FlatParamHandle:
 
     def unsharded_matches(self, full_precision: bool) -> bool:
         """Whether the unsharded (or last unsharded) parameters are in the requested precision."""
-        return self._active is self._unsharded_for(full_precision)
+        segment = self._segments[0]
+        return segment.active is segment.unsharded_for(self._dtype_for(full_precision))
 
     @property
     def unsharded_leaf(self) -> torch.Tensor:
-        """The leaf modules' views refer to while unsharded (the last one used otherwise)."""
-        return self._active.leaf
+        """The trainable (or only) leaf modules' views refer to while unsharded (the last one
+        used otherwise)."""
+        return self._segments[0].active.leaf
 
     @property
     def _unsharded_flat_param(self) -> torch.Tensor:
         """torch's name for ``unsharded_leaf``."""
-        return self._active.leaf
+        return self.unsharded_leaf
 
     def unshard(self, full_precision: bool = False) -> None:
-        """Issue the all-gather of every rank's shard into `_full_param_padded` (async).
+        """Issue the all-gather of every rank's shard into `_full_param_padded` (async), one
+        per segment.
 
         The shard is cast to the compute dtype (``param_dtype``, or the original dtype with
         ``full_precision``) and moved to the compute device first, so the collective carries
         the compute dtype's bytes.
         """
         self._assert_state(HandleState.SHARDED, "unshard")
-        self._active = unsharded = self._unsharded_for(full_precision)
-        if unsharded.aliases_shard:
-            self.state = HandleState.UNSHARDED
-            return
-        dtype = unsharded.leaf.dtype
-        padded = unsharded.padded
-        padded.untyped_storage().resize_(padded.numel() * padded.element_size())
-        local_shard = self.flat_param._local_shard
-        source = local_shard
-        if self._offload_params or local_shard.dtype != dtype:
-            source = torch.empty(local_shard.numel(), dtype=dtype, device=self.device)
-            source.copy_(local_shard, non_blocking=True)
-        if not self.uses_sharded_strategy:
-            padded.copy_(source)
-            self.state = HandleState.UNSHARDED
-            return
-        self._unshard_input = source
-        self._unshard_work = comm.all_gather_into(padded, source, self.groups.shard, self.label)
-        self.state = HandleState.UNSHARDING
+        dtype = self._dtype_for(full_precision)
+        in_flight = False
+        for index, segment in enumerate(self._segments):
+            in_flight |= segment.unshard(dtype, self._segment_label(index))
+        self.state = HandleState.UNSHARDING if in_flight else HandleState.UNSHARDED
 
     def wait_unshard(self) -> None:
-        """Block until the unsharded parameter is ready."""
+        """Block until the unsharded parameters are ready."""
         if self.state == HandleState.UNSHARDING:
-            assert self._unshard_work is not None
-            self._unshard_work.wait()
-            self._unshard_work = None
-            self._unshard_input = None
+            for segment in self._segments:
+                segment.wait_unshard()
             self.state = HandleState.UNSHARDED
         self._assert_state(HandleState.UNSHARDED, "wait_unshard")
 
@@ -609,33 +496,31 @@ class FlatParamHandle:
         if self.state == HandleState.UNSHARDING:
             self.wait_unshard()
         self._assert_state(HandleState.UNSHARDED, "reshard")
-        if not self._active.aliases_shard:
-            self._active.padded.untyped_storage().resize_(0)
+        for segment in self._segments:
+            segment.reshard()
         if self._use_orig_params:
             self._use_sharded_params()
         self.state = HandleState.SHARDED
 
     def unsharded_storage_size(self) -> int:
         """Bytes held by the unsharded buffers (0 when resharded)."""
-        return sum(u.padded.untyped_storage().nbytes() for u in self._unsharded_buffers())
+        return sum(segment.storage_size() for segment in self._segments)
 
     # -- gradients --------------------------------------------------------------------------
+    # Only `flat_param`'s segment can require grad (see [Note: frozen parameters]).
 
     def register_post_backward_hook(self, hook: Callable[[], None]) -> None:
         """Call ``hook`` each time autograd has accumulated this unit's unsharded gradient."""
         assert self._post_backward_hook is None, "the post-backward hook is registered once"
         self._post_backward_hook = hook
-        for unsharded in self._unsharded_buffers():
-            leaf = unsharded.leaf
-            if leaf.requires_grad:
-                unsharded.hook = leaf.register_post_accumulate_grad_hook(lambda _: hook())
+        self._segments[0].set_post_backward_hook(hook)
 
     def has_unsharded_grad(self) -> bool:
-        return any(u.leaf.grad is not None for u in self._unsharded_buffers())
+        return any(u.leaf.grad is not None for u in self._segments[0].buffers())
 
     def reduce_grad(self) -> None:
         """Issue the reduction of the unsharded gradient (async); frees it once done."""
-        for unsharded in self._unsharded_buffers():
+        for unsharded in self._segments[0].buffers():
             if unsharded.leaf.grad is not None:
                 self._reduce_grad_of(unsharded.leaf)
 
@@ -661,10 +546,11 @@ class FlatParamHandle:
             work: comm.Pending = comm.all_reduce(grad, self.groups.shard, self.label)
             self._pending_reduction = _PendingReduction(work, grad, grad, postdivide)
             return
-        padding = self.layout.padded_numel - self.layout.numel
+        layout = self._segments[0].layout
+        padding = layout.padded_numel - layout.numel
         if padding:
             grad = torch.nn.functional.pad(grad, (0, padding))
-        sharded = grad.new_empty(self.layout.shard_numel)
+        sharded = grad.new_empty(layout.shard_numel)
         work = comm.reduce_scatter_into(
             sharded, grad, self.groups.shard, self.label, predivide=predivide
         )
@@ -708,7 +594,7 @@ class FlatParamHandle:
 
     def init_optimizers_in_backward(self) -> None:
         """At lazy initialisation: find optimizers applied in backward (see the note)."""
-        if hasattr(self.flat_param, "_in_backward_optimizers"):
+        if any(hasattr(flat, "_in_backward_optimizers") for flat in self.flat_params):
             raise RuntimeError(
                 "FSDP optimizer in backward only supported with use_orig_params=True! "
                 f"_apply_optimizer_in_backward was given the flat parameter of FSDP unit "
@@ -746,12 +632,11 @@ class FlatParamHandle:
         if flat_grad is None:
             return
         any_kept = False
-        for param, view, slot in zip(
-            self._orig_params, self._sharded_piece_views(flat_grad), self.layout.slots
-        ):
-            if not slot.requires_grad or view.numel() == 0:
+        segment = self._segments[0]
+        for index, view in zip(segment.indices, segment.sharded_piece_views(flat_grad)):
+            if not self.slot(index).requires_grad or view.numel() == 0:
                 continue
-            grad = param.grad
+            grad = self._orig_params[index].grad
             if grad is None:
                 view.zero_()
                 continue
@@ -766,16 +651,16 @@ class FlatParamHandle:
 
         Parameters with no piece on this rank (or frozen ones) have no gradient, as in torch.
         """
+        grads: dict[int, torch.Tensor] = {}
         flat_grad = self.flat_param.grad
-        if flat_grad is None:
-            for param in self._orig_params:
-                param.grad = None
-            return
-        for param, view, slot in zip(
-            self._orig_params, self._sharded_piece_views(flat_grad), self.layout.slots
-        ):
-            has_piece = view.numel() > 0 or slot.numel == 0
-            _assign_grad(param, view if slot.requires_grad and has_piece else None)
+        if flat_grad is not None:
+            segment = self._segments[0]
+            for index, view in zip(segment.indices, segment.sharded_piece_views(flat_grad)):
+                slot = self.slot(index)
+                if slot.requires_grad and (view.numel() > 0 or slot.numel == 0):
+                    grads[index] = view
+        for index, param in enumerate(self._orig_params):
+            _assign_grad(param, grads.get(index))
 
     # -- summon_full_params -----------------------------------------------------------------
 
@@ -809,14 +694,14 @@ class FlatParamHandle:
             return
         if flat_grad is None:
             flat_grad = torch.zeros_like(self.flat_param)
+        segment = self._segments[0]  # frozen parameters keep no gradient
         full_grad = flat_grad.to(self.device)
         if self.uses_sharded_strategy:
-            full_grad = full_grad.new_empty(self.layout.padded_numel)
+            full_grad = full_grad.new_empty(segment.layout.padded_numel)
             source = flat_grad.to(self.device)
             comm.all_gather_into(full_grad, source, self.groups.shard, self.label).wait()
-        pieces = torch.split(full_grad[: self.layout.numel], self.layout.numels)
-        for param, piece, slot in zip(self._orig_params, pieces, self.layout.slots):
-            _assign_grad(param, piece.view(slot.shape) if slot.requires_grad else None)
+        for index, view in zip(segment.indices, segment.views_of_flat(full_grad)):
+            _assign_grad(self._orig_params[index], view if self.slot(index).requires_grad else None)
 
     def hide_unsharded_params(self, writeback: bool) -> None:
         """Undo ``expose_unsharded_params``; with ``writeback`` keep edits made to them.
@@ -827,10 +712,9 @@ class FlatParamHandle:
         if self.state != HandleState.UNSHARDED:
             self._drop_exposed_params()
             self._assert_state(HandleState.UNSHARDED, "hide_unsharded_params")
-        if writeback and not self._active.aliases_shard:
-            start, end = self.layout.shard_range(self._shard_rank)
-            with torch.no_grad():
-                self.flat_param._local_shard.copy_(self._active.padded[start:end])
+        if writeback:
+            for segment in self._segments:
+                segment.write_back()
         if not self._use_orig_params:
             for view, slot_owners in zip(self._unsharded_views(), self._owners):
                 for module, name in slot_owners:

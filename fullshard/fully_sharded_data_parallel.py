@@ -24,7 +24,7 @@ from . import _dcp_state_dict, _init_utils, _optim_state_dict, _state_dict
 from ._optim_state_dict import OptimStateKeyType
 from ._process_groups import ShardingGroups, effective_strategy, resolve_groups
 from ._runtime import RootState, TrainingState, UnitRuntime, iter_tensors, map_tensors
-from ._traversal import FLAT_PARAM, FSDP_WRAPPED_MODULE, clean_fqn, flat_param_owner
+from ._traversal import FLAT_PARAM_NAMES, FSDP_WRAPPED_MODULE, clean_fqn, flat_param_owner
 from .api import (
     BackwardPrefetch,
     CPUOffload,
@@ -351,7 +351,9 @@ class FullyShardedDataParallel(nn.Module):
                 offload_params=settings.offload_params,
             )
             if not settings.use_orig_params:
-                flat_param_owner(module).register_parameter(FLAT_PARAM, self._handle.flat_param)
+                owner = flat_param_owner(module)
+                for name, flat_param in zip(FLAT_PARAM_NAMES, self._handle.flat_params):
+                    owner.register_parameter(name, flat_param)
         self._runtime = UnitRuntime(self._handle, settings.strategy)
         self._state_dict_type = StateDictType.FULL_STATE_DICT
         self._state_dict_config: StateDictConfig = FullStateDictConfig()
@@ -543,28 +545,31 @@ class FullyShardedDataParallel(nn.Module):
         result = super()._apply(fn, recurse)
         if handle is None:
             return result
-        flat_param = handle.flat_param
-        local_shard = flat_param._local_shard
+        flat_params = handle.flat_params
         if self._use_orig_params:
-            new_shard = fn(local_shard)
-            grad = fn(flat_param.grad) if flat_param.grad is not None else None
+            new_shards = [fn(flat_param._local_shard) for flat_param in flat_params]
+            grad = handle.flat_param.grad
+            grad = fn(grad) if grad is not None else None
         else:
             parameters = flat_param_owner(self._fsdp_wrapped_module)._parameters
-            registered = parameters[FLAT_PARAM]
-            assert registered is not None
-            if registered is not flat_param:  # overwritten: torch.__future__, or meta
-                parameters[FLAT_PARAM] = flat_param
-                handle.check_adoptable(registered.data)
-                flat_param.data = registered.data
-                flat_param.grad = registered.grad
-            new_shard, grad = flat_param.data, flat_param.grad
-        unchanged = (
-            new_shard.data_ptr() == local_shard.data_ptr()
-            and new_shard.dtype == local_shard.dtype
-            and new_shard.device == local_shard.device
+            for index, (name, flat_param) in enumerate(zip(FLAT_PARAM_NAMES, flat_params)):
+                registered = parameters[name]
+                assert registered is not None
+                if registered is not flat_param:  # overwritten: torch.__future__, or meta
+                    parameters[name] = flat_param
+                    handle.check_adoptable(registered.data, index)
+                    flat_param.data = registered.data
+                    flat_param.grad = registered.grad
+            new_shards = [flat_param.data for flat_param in flat_params]
+            grad = handle.flat_param.grad
+        unchanged = all(
+            new.data_ptr() == old._local_shard.data_ptr()
+            and new.dtype == old._local_shard.dtype
+            and new.device == old._local_shard.device
+            for new, old in zip(new_shards, flat_params)
         )
         if not unchanged:
-            handle.adopt_shard(new_shard, grad)
+            handle.adopt_shards(new_shards, grad)
         return result
 
     def check_is_root(self) -> bool:

@@ -5,15 +5,18 @@ gives the bytes one rank holds at its peak, split the way they are allocated:
 
 - ``params``: this rank's shard of every unit (the whole model with NO_SHARD), in the
   parameters' dtype; on the CPU with parameter offload.
-- ``grads``: the sharded gradients, same size and dtype as the shards.
-- ``optimizer``: ``optim_states_per_param`` tensors of the shard's size (Adam: 2).
+- ``grads``: the sharded gradients, same size and dtype as the shards of the trainable
+  parameters (all of them unless ``trainable_numels`` says otherwise).
+- ``optimizer``: ``optim_states_per_param`` tensors of the trainable shard's size (Adam: 2).
 - ``unsharded``: units whose full parameters or full gradients are alive at once. In
   backward, while unit k's gradient is computed, either unit k-1's parameters were
   prefetched (BACKWARD_PRE) or unit k+1's gradient is still being reduced (BACKWARD_POST,
   None): three buffers of the largest unit's size in the compute dtype (see
   ``_runtime.reductions_in_flight``), plus the root unit's parameters, kept through the step
   (see [Note: the root keeps its parameters]). SHARD_GRAD_OP keeps every unit's parameters
-  from forward to backward, plus two gradients.
+  from forward to backward, plus two gradients. Unsharded gradients cover trainable elements
+  only; a unit mixing frozen and trainable parameters keeps its parameters unsharded until
+  the end of backward (see [Note: frozen parameters] in flat_param.py).
 - ``activations``: what the caller estimates for the model and batch (``gpt_activations``
   for the example GPT).
 - ``staging``: CPU ranks of one host only (``shared_memory_cell_bytes``): the pages of the
@@ -86,6 +89,29 @@ def _shard(numel: int, num_shards: int) -> int:
     return -(-numel // num_shards)
 
 
+def _trainable(
+    unit_numels: list[int],
+    root_numel: int,
+    trainable_numels: list[int] | None,
+    root_trainable_numel: int | None,
+) -> list[int]:
+    """Trainable elements per unit, the root last (all of them by default), checked."""
+    trainable = [*unit_numels] if trainable_numels is None else [*trainable_numels]
+    trainable.append(root_numel if root_trainable_numel is None else root_trainable_numel)
+    numels = [*unit_numels, root_numel]
+    if len(trainable) != len(numels) or not all(0 <= t <= n for t, n in zip(trainable, numels)):
+        raise ValueError(
+            f"trainable_numels {trainable[:-1]} (root {trainable[-1]}) must give, per unit of "
+            f"unit_numels {unit_numels} (root {root_numel}), a count between 0 and its size"
+        )
+    return trainable
+
+
+def _is_mixed(numel: int, trainable: int) -> bool:
+    """The unit has frozen and trainable elements: two flat segments."""
+    return 0 < trainable < numel
+
+
 def estimate(
     unit_numels: list[int],
     world_size: int,
@@ -100,6 +126,8 @@ def estimate(
     shard_group_size: int | None = None,
     reduce_bytes: int | None = None,
     shared_memory_cell_bytes: int = 0,
+    trainable_numels: list[int] | None = None,
+    root_trainable_numel: int | None = None,
 ) -> MemoryEstimate:
     """Per-rank peak memory of training with one FSDP unit per entry of ``unit_numels``
     (the root unit's own parameters in ``root_numel``). ``compute_bytes`` is the compute
@@ -109,35 +137,54 @@ def estimate(
     optimizer state are on the CPU and are not counted here. ``shared_memory_cell_bytes``
     (CPU ranks on one host: ``FULLSHARD_SHM_CELL_MIB``, 4 MiB by default; 0 otherwise)
     counts the shared-memory transport's staging; ``reduce_bytes`` is the gradients'
-    reduction dtype's size (default ``compute_bytes``)."""
+    reduction dtype's size (default ``compute_bytes``). ``trainable_numels`` (and
+    ``root_trainable_numel``) give the elements of each unit that require grad when some
+    are frozen (default: all): gradients and optimizer state count those only."""
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     name = _strategy_name(strategy)
     compute_bytes = compute_bytes or param_bytes
     shards = _shard_ranks(name, world_size, shard_group_size)
     numels = [*unit_numels, root_numel]
-    sharded = sum(_shard(numel, shards) for numel in numels)
+    trainable = _trainable(unit_numels, root_numel, trainable_numels, root_trainable_numel)
+    # A mixed unit's trainable and frozen segments are padded and sharded on their own.
+    sharded = sum(
+        _shard(t, shards) + _shard(n - t, shards) if _is_mixed(n, t) else _shard(n, shards)
+        for n, t in zip(numels, trainable)
+    )
+    sharded_trainable = sum(_shard(t, shards) for t in trainable)
     params = sharded * param_bytes
-    grads = sharded * param_bytes
-    optimizer = sharded * param_bytes * optim_states_per_param
+    grads = sharded_trainable * param_bytes
+    optimizer = sharded_trainable * param_bytes * optim_states_per_param
     if offload_params:
         params = grads = optimizer = 0
-    largest = max(unit_numels, default=0)
-    if name == "NO_SHARD":
-        unsharded_params = 0  # the shard is the whole unit: nothing is gathered
-    elif name in _KEEPS_UNSHARDED_AFTER_FORWARD:
-        unsharded_params = sum(numels)  # kept from forward to backward
-    else:
-        unsharded_params = largest + root_numel
-    unsharded = (unsharded_params + 2 * largest) * compute_bytes
+    unsharded = _unsharded_numel(name, unit_numels, trainable, root_numel) * compute_bytes
     staging = 0
     if shared_memory_cell_bytes and name != "NO_SHARD" and shards > 1:
-        shard = _shard(largest, shards)
-        gather_piece = shard * compute_bytes
-        reduce_piece = (shards - 1) * shard * (reduce_bytes or compute_bytes)
+        gather_piece = _shard(max(unit_numels, default=0), shards) * compute_bytes
+        grad_shard = _shard(max(trainable[:-1], default=0), shards)
+        reduce_piece = (shards - 1) * grad_shard * (reduce_bytes or compute_bytes)
         piece = min(shared_memory_cell_bytes, max(gather_piece, reduce_piece))
         staging = SHARED_MEMORY_SLOTS * shards * -(-piece // _PAGE) * _PAGE
     return MemoryEstimate(params, grads, optimizer, unsharded, activations, staging)
+
+
+def _unsharded_numel(
+    name: str, unit_numels: list[int], trainable: list[int], root_numel: int
+) -> int:
+    """Peak elements of unsharded parameters and gradients in backward (see the module
+    docstring): unit k's parameters and gradient, and unit k-1's prefetched parameters or
+    unit k+1's gradient in reduction; mixed units' parameters kept to the end of backward."""
+    largest = max(unit_numels, default=0)
+    largest_grad = max(trainable[:-1], default=0)
+    if name == "NO_SHARD":  # the shard is the whole unit: nothing is gathered
+        return 2 * largest_grad
+    if name in _KEEPS_UNSHARDED_AFTER_FORWARD:
+        return root_numel + sum(unit_numels) + 2 * largest_grad  # kept from forward on
+    kept = [n for n, t in zip(unit_numels, trainable) if _is_mixed(n, t)]
+    others = [n for n, t in zip(unit_numels, trainable) if not _is_mixed(n, t)]
+    unsharded_params = sum(kept) + max(others, default=0) + root_numel
+    return unsharded_params + largest_grad + largest
 
 
 def _shard_ranks(name: str, world_size: int, shard_group_size: int | None) -> int:
@@ -163,23 +210,30 @@ def communication_bytes(
     compute_bytes: int = 4,
     reduce_bytes: int | None = None,
     shard_group_size: int | None = None,
+    trainable_numels: list[int] | None = None,
+    root_trainable_numel: int | None = None,
 ) -> int:
     """Bytes one rank sends per training step (ring estimate, as ``fullshard._collectives``
     counts them): with G ranks sharding a unit of B bytes, an all-gather or a reduce-scatter
     sends ``B (G - 1) / G``; an all-reduce twice that. FULL_SHARD gathers every unit twice
     (forward and backward; the root once) and reduce-scatters its gradient once;
     SHARD_GRAD_OP gathers once; NO_SHARD all-reduces the gradient; the hybrid strategies
-    also all-reduce each gradient shard over the ``world_size / G`` replicas."""
+    also all-reduce each gradient shard over the ``world_size / G`` replicas. Gradients are
+    reduced for the trainable elements only (``trainable_numels``, ``root_trainable_numel``;
+    default: all)."""
     name = _strategy_name(strategy)
     reduce_bytes = reduce_bytes or compute_bytes
     shards = _shard_ranks(name, world_size, shard_group_size)
     total = sum(unit_numels) + root_numel
+    reduced = sum(_trainable(unit_numels, root_numel, trainable_numels, root_trainable_numel))
     if name == "NO_SHARD":
-        return int(2 * total * reduce_bytes * (world_size - 1) / world_size)
+        return int(2 * reduced * reduce_bytes * (world_size - 1) / world_size)
     gathers = total if name in _KEEPS_UNSHARDED_AFTER_FORWARD else 2 * sum(unit_numels) + root_numel
-    within = (gathers * compute_bytes + total * reduce_bytes) * (shards - 1) / shards
+    within = (gathers * compute_bytes + reduced * reduce_bytes) * (shards - 1) / shards
     replicas = world_size // shards
-    across = 2 * (total / shards) * reduce_bytes * (replicas - 1) / replicas if replicas > 1 else 0
+    across = (
+        2 * (reduced / shards) * reduce_bytes * (replicas - 1) / replicas if replicas > 1 else 0
+    )
     return int(within + across)
 
 

@@ -13,6 +13,9 @@ Shapes follow common_fsdp so ported tests keep their numbers:
   and ``module.2`` (see :func:`nested_wrap`).
 - :class:`NonUniformReqGradNWM`: the same, but the last two linears share a container
   ``module.2`` in which only ``module.2.1`` is trainable.
+- :class:`LoRAStack`: a frozen base (input projection, blocks of two linears, head weight)
+  with trainable low-rank adapters beside each block linear and a trainable head bias, so
+  every unit of ``ModuleWrapPolicy({LoRABlock})`` mixes frozen and trainable parameters.
 - :class:`TransformerWithSharedParams`: embedding (vocab 23, d_model 16) into a 2+2 layer
   ``nn.Transformer``; the output projection's weight is the embedding's weight.
 """
@@ -28,6 +31,8 @@ from torch import Tensor, nn
 __all__ = [
     "MLP",
     "DummyProcessGroup",
+    "LoRABlock",
+    "LoRAStack",
     "NestedWrappedModule",
     "NonUniformReqGradNWM",
     "ParityModel",
@@ -118,6 +123,65 @@ class NonUniformReqGradNWM(NestedWrappedModule):
         for param in self.parameters():
             param.requires_grad_(False)
         self.module.get_submodule("2.1").requires_grad_(True)
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear plus a trainable low-rank update: ``base(x) + up(down(x))``.
+
+    Both adapter matrices start random (LoRA starts ``up`` at zero), so every adapter
+    parameter has a nonzero gradient from the first step.
+    """
+
+    def __init__(self, dim_in: int, dim_out: int, rank: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(dim_in, dim_out)
+        self.down = nn.Linear(dim_in, rank, bias=False)
+        self.up = nn.Linear(rank, dim_out, bias=False)
+        self.base.requires_grad_(False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.base(x) + self.up(self.down(x))  # (B, dim_out)
+
+
+class LoRABlock(nn.Module):
+    """A residual MLP block over LoRA linears with a frozen LayerNorm."""
+
+    def __init__(self, dim: int, rank: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = LoRALinear(dim, 2 * dim, rank)
+        self.fc2 = LoRALinear(2 * dim, dim, rank)
+        self.norm.requires_grad_(False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))  # (B, dim)
+
+
+class LoRAStack(ParityModel):
+    """Frozen input projection, ``num_blocks`` LoRA blocks, and a head whose weight is frozen
+    and bias trainable: the root unit mixes frozen and trainable parameters too."""
+
+    def __init__(self, seed: int = 0, dim: int = 7, rank: int = 3, num_blocks: int = 2) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.dim = dim
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.Sequential(*(LoRABlock(dim, rank) for _ in range(num_blocks)))
+        self.head = nn.Linear(dim, dim)
+        self.inp.requires_grad_(False)
+        self.head.weight.requires_grad_(False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.blocks(self.inp(x)))  # (4, dim)
+
+    def get_input(
+        self, device: torch.device | str, rank: int = 0, step: int = 0
+    ) -> tuple[Tensor, ...]:
+        """One (4, dim) batch of normal noise."""
+        return (torch.randn(4, self.dim, generator=input_generator(rank, step)).to(device),)
+
+    def get_loss(self, input: tuple[Tensor, ...], output: Tensor) -> Tensor:
+        return (output**2).mean()
 
 
 def transformer_layer_classes() -> set[type[nn.Module]]:

@@ -604,10 +604,10 @@ def _wrap_nonuniform(
     return _nested_fsdp(model, strategy, use_orig_params)
 
 
-def _check_frozen_params(strategy: ShardingStrategy, wrapping: str) -> None:
+def _check_frozen_params(strategy: ShardingStrategy, wrapping: str, use_orig_params: bool) -> None:
     rank = dist.get_rank()
     wrap = functools.partial(
-        _wrap_nonuniform, wrapping=wrapping, strategy=strategy, use_orig_params=True
+        _wrap_nonuniform, wrapping=wrapping, strategy=strategy, use_orig_params=use_orig_params
     )
     check_ddp_parity(NonUniformReqGradNWM, wrap, num_steps=3)
     model = NonUniformReqGradNWM()
@@ -618,6 +618,8 @@ def _check_frozen_params(strategy: ShardingStrategy, wrapping: str) -> None:
     for fqn, param in params.items():
         if not param.requires_grad:
             assert param.grad is None, f"rank {rank}: frozen parameter {fqn} got a gradient"
+        elif not use_orig_params:
+            continue  # the flat parameter holds the gradient (see tests/test_frozen.py)
         elif param.numel() > 0:
             assert param.grad is not None and param.grad.shape == param.shape, (
                 f"rank {rank}: trainable {fqn} has grad {param.grad!r}"
@@ -628,23 +630,14 @@ def _check_frozen_params(strategy: ShardingStrategy, wrapping: str) -> None:
 
 
 @each_strategy
+@each_use_orig_params
 @pytest.mark.parametrize("wrapping", ["policy", "by_hand"])
 def test_frozen_params_match_ddp_when_mixed_in_one_unit(
-    strategy: ShardingStrategy, wrapping: str
+    strategy: ShardingStrategy, wrapping: str, use_orig_params: bool
 ) -> None:
-    """use_orig_params=True: a unit mixing frozen and trainable params trains like DDP."""
-    run_on_ranks(2, _check_frozen_params, strategy, wrapping)
-
-
-def _check_frozen_params_rejected(wrapping: str) -> None:
-    with pytest.raises(ValueError, match="requires_grad"):
-        _wrap_nonuniform(NonUniformReqGradNWM(), wrapping, ShardingStrategy.FULL_SHARD, False)
-
-
-@pytest.mark.parametrize("wrapping", ["policy", "by_hand"])
-def test_frozen_params_raise_when_flat_param(wrapping: str) -> None:
-    """use_orig_params=False: a unit mixing frozen and trainable params is a ValueError."""
-    run_on_ranks(2, _check_frozen_params_rejected, wrapping)
+    """A unit mixing frozen and trainable params trains like DDP, with either
+    use_orig_params (torch refuses use_orig_params=False)."""
+    run_on_ranks(2, _check_frozen_params, strategy, wrapping, use_orig_params)
 
 
 # ----------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fullshard._layout import make_layout, padded_numel
+from fullshard._layout import make_layout, make_unit_layout, padded_numel
 from fullshard._process_groups import gradient_divide_factors
 from fullshard._runtime import HandleTrainingState, TrainingState, map_tensors
 from fullshard.flat_param import HandleState
@@ -36,6 +36,32 @@ def test_layout_docstring_example_three_ranks() -> None:
         rank1[1].numel,
     ) == (0, 0, 3)
     assert rank2[1] is not None and (rank2[1].param_start, rank2[1].numel) == (3, 1)
+
+
+def test_unit_layout_docstring_example_splits_trainable_and_frozen() -> None:
+    """a (3, trainable), b (4, frozen), c (2, trainable) on 2 ranks: UnitLayout's example."""
+    shapes = [torch.Size([3]), torch.Size([2, 2]), torch.Size([2])]
+    layout = make_unit_layout(["a", "b", "c"], shapes, [True, False, True], 2)
+    trainable, frozen = layout.segments
+    assert [s.fqn for s in trainable.slots] == ["a", "c"]
+    assert (trainable.numel, trainable.padded_numel, trainable.shard_numel) == (5, 6, 3)
+    assert [s.fqn for s in frozen.slots] == ["b"] and not frozen.slots[0].requires_grad
+    assert (frozen.numel, frozen.padded_numel) == (4, 4)
+    assert layout.locations == ((0, 0), (1, 0), (0, 1))
+    assert layout.slot(2).offset == 3 and layout.param_indices(0) == [0, 2]
+    rank1 = trainable.shard_pieces(1)  # [c0 c1 pad]
+    assert rank1[0] is None and rank1[1] is not None
+    assert (rank1[1].param_start, rank1[1].shard_start, rank1[1].numel) == (0, 0, 2)
+
+
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_unit_layout_of_uniform_params_is_one_flat_layout(requires_grad: bool) -> None:
+    """All trainable or all frozen: one segment, exactly ``make_layout``'s."""
+    shapes = [torch.Size([3]), torch.Size([2, 2])]
+    flags = [requires_grad] * 2
+    layout = make_unit_layout(["a", "b"], shapes, flags, 3)
+    assert layout.segments == (make_layout(["a", "b"], shapes, flags, 3),)
+    assert layout.locations == ((0, 0), (0, 1))
 
 
 @pytest.mark.parametrize("num_shards", [1, 2, 3, 4, 5])

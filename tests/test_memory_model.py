@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fullshard import ShardingStrategy
-from fullshard.memory import estimate, gpt_activations
+from fullshard.memory import communication_bytes, estimate, gpt_activations
 
 
 def test_full_shard_splits_model_state_and_counts_units_in_flight() -> None:
@@ -51,3 +51,34 @@ def test_gpt_activations_scale_with_batch_and_depth() -> None:
 def test_bad_world_size_is_rejected() -> None:
     with pytest.raises(ValueError, match="world_size must be at least 1"):
         estimate([1], 0)
+
+
+def test_frozen_parameters_count_no_gradient_or_optimizer_state() -> None:
+    """trainable_numels: gradients and Adam's state cover trainable shards only; a mixed
+    unit's segments are padded on their own; mixed units stay unsharded through backward."""
+    result = estimate([1000, 1000, 400], 4, root_numel=100, trainable_numels=[10, 10, 0])
+    # root all trainable (default): 25; units: trainable 3 + 3 + 0, frozen 248 + 248 + 100.
+    assert result.grads == (3 + 3 + 0 + 25) * 4
+    assert result.optimizer == 2 * result.grads
+    assert result.params == (3 + 248 + 3 + 248 + 100 + 25) * 4
+    # The two mixed units kept, the largest other unit, the root; one unit's gradient (10)
+    # and one prefetched unit.
+    assert result.unsharded == (2000 + 400 + 100 + 10 + 1000) * 4
+    every = estimate([1000, 1000, 400], 4, root_numel=100, trainable_numels=[1000, 1000, 400])
+    assert every == estimate([1000, 1000, 400], 4, root_numel=100)
+
+
+def test_frozen_parameters_send_no_gradient_bytes() -> None:
+    """The reduction's bytes cover the trainable elements; the all-gathers still all."""
+    full = communication_bytes([1000, 1000], 2, root_numel=0)
+    frozen = communication_bytes([1000, 1000], 2, trainable_numels=[0, 0])
+    assert full - frozen == 2000 * 4 // 2  # one reduce-scatter of every unit, (N - 1) / N
+    no_shard = communication_bytes([1000], 2, "NO_SHARD", trainable_numels=[100])
+    assert no_shard == 2 * 100 * 4 // 2
+
+
+def test_trainable_numels_must_fit_their_units() -> None:
+    with pytest.raises(ValueError, match="trainable_numels"):
+        estimate([10, 10], 2, trainable_numels=[11, 0])
+    with pytest.raises(ValueError, match="trainable_numels"):
+        estimate([10, 10], 2, trainable_numels=[1])

@@ -150,12 +150,6 @@ def _mixed_dtypes() -> None:
     FSDP(model)
 
 
-def _frozen_and_trainable() -> None:
-    model = _mlp()
-    model[0].weight.requires_grad_(False)
-    FSDP(model)  # use_orig_params=False: one flat parameter, one requires_grad
-
-
 def _units_disagree_on_use_orig_params() -> None:
     model = _mlp()
     model[0] = FSDP(model[0], use_orig_params=True)
@@ -326,12 +320,6 @@ CONSTRUCTION: dict[str, Case] = {
         ValueError,
         "FSDP expects every parameter of one unit to have the same dtype",
     ),
-    "frozen_and_trainable_in_one_flat_unit": (
-        _frozen_and_trainable,
-        ValueError,
-        "Must flatten tensors with uniform `requires_grad` when `use_orig_params=False`; "
-        "frozen parameters ['0.weight']",
-    ),
     "meta_module_without_reset_parameters": (
         lambda: FSDP(_MetaWithoutReset()),
         ValueError,
@@ -390,6 +378,28 @@ def test_construction_misuse(case: str) -> None:
 def test_cuda_device_id_without_cuda() -> None:
     """device_id naming a CUDA device on a machine without CUDA."""
     _run_case("no_cuda", "cuda_device_id_without_cuda")
+
+
+def _frozen_and_trainable() -> list[tuple[str, bool, int]]:
+    model = _mlp()
+    model[0].weight.requires_grad_(False)
+    fsdp = FSDP(model)  # use_orig_params=False
+    optim = torch.optim.Adam(fsdp.parameters(), lr=0.1)
+    fsdp(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    assert [p.requires_grad for p in optim.state] == [True]
+    return [(name, p.requires_grad, p.numel()) for name, p in fsdp.named_parameters()]
+
+
+def test_frozen_and_trainable_in_one_flat_unit() -> None:
+    """Row 20, no longer a misuse: with use_orig_params=False the frozen parameter moves to a
+    second, frozen flat parameter and the optimizer's state covers the trainable ones only."""
+    flat_params = run_on_ranks(2, _frozen_and_trainable)[0]
+    # 0.bias, 2.weight, 2.bias: 4 + 8 + 2 = 14 elements; 0.weight: 16, on 2 ranks.
+    assert flat_params == [
+        ("_fsdp_wrapped_module._flat_param", True, 7),
+        ("_fsdp_wrapped_module._frozen_flat_param", False, 8),
+    ]
 
 
 def _module_list_root() -> None:

@@ -351,7 +351,8 @@ def _offload_parity(strategy: str, use_orig_params: bool) -> None:
         fsdp = FSDP(model, **kwargs)
         for handle in _get_fsdp_handles(fsdp):
             # The offload path copies to the compute device even when that is the CPU.
-            assert handle._offload_params and not handle._compute.aliases_shard
+            assert handle._offload_params
+            assert not any(u.aliases_shard for s in handle.segments for u in s.buffers())
             assert handle.flat_param.device.type == "cpu"
         return fsdp
 

@@ -54,7 +54,7 @@ def _wrapped_stack(strategy: str, root_params: bool = True, **kwargs: Any) -> FS
 def _padded_bytes(model: FSDP) -> dict[str, int]:
     """Per unit label, bytes of its padded flat parameter."""
     return {
-        unit._handle.label: unit._handle.layout.padded_numel * 4
+        unit._handle.label: sum(s.layout.padded_numel for s in unit._handle.segments) * 4
         for unit in FSDP.fsdp_modules(model)
         if unit._handle is not None
     }

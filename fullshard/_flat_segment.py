@@ -1,0 +1,329 @@
+"""One flat segment of an FSDP unit: a ``FlatParameter`` (the shard) and its unsharded buffers.
+
+A unit's parameters live in one segment, or in two when they differ in ``requires_grad``
+(see [Note: frozen parameters] in flat_param.py and ``_layout.UnitLayout``). Each segment
+owns three buffers:
+
+- ``flat_param._local_shard``: this rank's shard in the parameters' own dtype (the optimizer's
+  master copy), the storage ``flat_param`` always points at. With
+  ``CPUOffload(offload_params=True)`` it lives on the CPU.
+- ``flat_param._full_param_padded``: the padded unsharded buffer the all-gather writes into,
+  on the compute device, in the compute dtype. Its storage is freed (resized to 0) whenever
+  the unit is resharded.
+- the leaf: a separate autograd leaf over the first ``numel`` elements of that storage. During
+  compute, modules see views of it; autograd accumulates the unsharded gradient into its
+  ``.grad`` (trainable segments only). With NO_SHARD, in the shard's dtype and on its device,
+  the leaf aliases the shard itself.
+
+A segment has no state machine of its own: the handle's verbs (``unshard``, ``reshard``...)
+assert the unit's state and drive every segment of the unit through the same steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from . import _collectives as comm
+from ._layout import FlatLayout, ShardPiece
+from ._process_groups import ShardingGroups
+
+__all__ = ["FlatParameter", "FlatSegment"]
+
+
+class FlatParameter(nn.Parameter):
+    """The flattened, sharded parameters of one flat segment of an FSDP unit.
+
+    Its data is always this rank's shard (``_local_shard``); it is what the optimizer sees
+    with ``use_orig_params=False``. Its ``.grad`` is the sharded, averaged gradient.
+    """
+
+    _local_shard: torch.Tensor
+    _full_param_padded: torch.Tensor
+    """The unsharded buffer in the compute dtype (see ``FlatSegment``)."""
+    _full_prec_full_param_padded: torch.Tensor | None
+    """With mixed precision, the unsharded buffer in the original dtype (summon, eval)."""
+
+    @classmethod
+    def from_shard(
+        cls, local_shard: torch.Tensor, full_param_padded: torch.Tensor, requires_grad: bool
+    ) -> FlatParameter:
+        flat_param = cls(local_shard, requires_grad=requires_grad)
+        flat_param._local_shard = local_shard
+        flat_param._full_param_padded = full_param_padded
+        flat_param._full_prec_full_param_padded = None
+        return flat_param
+
+
+@dataclass
+class Unsharded:
+    """An unsharded buffer and the autograd leaf over it (see [Note: a separate unsharded leaf]
+    in flat_param.py)."""
+
+    padded: torch.Tensor
+    """What the all-gather writes into; its storage is freed while the unit is sharded."""
+    leaf: torch.Tensor
+    """The first ``numel`` elements of ``padded`` (or of the shard itself, when aliased)."""
+    aliases_shard: bool
+    """NO_SHARD with no cast and no offload: the leaf is the shard, nothing is copied."""
+    hook: RemovableHandle | None
+
+
+class FlatSegment:
+    """The storage of one flat segment: its shard, its unsharded buffers, its all-gather.
+
+    ``indices`` are the unit's parameter indices (registration order) this segment holds, in
+    its slot order; ``layout`` places them. ``device`` is the compute device; with
+    ``offload_params`` the shard lives on the CPU instead.
+    """
+
+    def __init__(
+        self,
+        layout: FlatLayout,
+        indices: list[int],
+        params: list[nn.Parameter],
+        groups: ShardingGroups,
+        uses_sharded_strategy: bool,
+        device: torch.device,
+        offload_params: bool,
+        compute_dtype: torch.dtype,
+    ) -> None:
+        assert len(params) == len(indices) == len(layout.slots)
+        self.layout = layout
+        self.indices = indices
+        self.groups = groups
+        self.uses_sharded_strategy = uses_sharded_strategy
+        self.device = device
+        self._offload_params = offload_params
+        self._shard_rank = groups.shard_rank if uses_sharded_strategy else 0
+        self.pieces: tuple[ShardPiece | None, ...] = layout.shard_pieces(self._shard_rank)
+        """Per slot, its piece of this rank's shard (None where it has none)."""
+        self.requires_grad = all(slot.requires_grad for slot in layout.slots)
+        self.flat_param: FlatParameter = self._make_flat_param(params)
+        self._post_backward_hook: Callable[[], None] | None = None
+        self._compute: Unsharded = self._make_unsharded(compute_dtype)
+        """Unsharded buffer and leaf in the compute dtype; its identity never changes while
+        a forward's graph may refer to it."""
+        self._full_prec: Unsharded | None = None
+        """In the original dtype, built on first use when that differs from the compute dtype."""
+        self.active: Unsharded = self._compute
+        """The one unsharded (or last unsharded): what modules' views and gradients refer to."""
+        self.flat_param._full_param_padded = self._compute.padded
+        self._unshard_work: comm.Pending | None = None
+        self._unshard_input: torch.Tensor | None = None
+        """The cast or copied shard an all-gather in flight reads from."""
+
+    # -- construction -------------------------------------------------------------------
+
+    @property
+    def shard_device(self) -> torch.device:
+        return torch.device("cpu") if self._offload_params else self.device
+
+    def _make_flat_param(self, params: list[nn.Parameter]) -> FlatParameter:
+        layout = self.layout
+        with torch.no_grad():
+            # On the parameters' device: a CPU module stays on the CPU until the user moves
+            # it to the compute device (see [Note: devices] in _init_utils).
+            flat = torch.empty(layout.padded_numel, dtype=params[0].dtype, device=params[0].device)
+            flat[layout.numel :].zero_()
+            for slot, param in zip(layout.slots, params):
+                flat[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
+            start, end = layout.shard_range(self._shard_rank)
+            local_shard = flat[start:end].clone() if self.uses_sharded_strategy else flat
+            local_shard = self._to_shard_device(local_shard)
+        full_param_padded = torch.empty(0, dtype=local_shard.dtype, device=self.device)
+        return FlatParameter.from_shard(local_shard, full_param_padded, self.requires_grad)
+
+    def _to_shard_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not self._offload_params:
+            return tensor
+        tensor = tensor.to("cpu")
+        return self.pinned(tensor)
+
+    def pinned(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Offloaded CPU tensors are pinned when computing on CUDA, so copies are async."""
+        if self.device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():
+            return tensor.pin_memory()
+        return tensor
+
+    def _make_unsharded(self, dtype: torch.dtype) -> Unsharded:
+        """Build an unsharded buffer in ``dtype`` and the leaf over it, hooked for backward.
+
+        See [Note: a separate unsharded leaf] in flat_param.py.
+        """
+        local_shard = self.flat_param._local_shard
+        aliases_shard = (
+            not self.uses_sharded_strategy
+            and not self._offload_params
+            and dtype == local_shard.dtype
+            and local_shard.device == self.device
+        )
+        if aliases_shard:
+            padded = local_shard.new_empty(0)
+            source = local_shard
+        else:
+            padded = torch.empty(self.layout.padded_numel, dtype=dtype, device=self.device)
+            source = padded
+        leaf = torch.empty(0, dtype=dtype, device=self.device)
+        # `set_` grows a storage too small for the sizes, so the storage must still be
+        # allocated here; it is freed right after.
+        leaf.set_(source.untyped_storage(), source.storage_offset(), (self.layout.numel,), (1,))
+        if not aliases_shard:
+            padded.untyped_storage().resize_(0)
+        leaf.requires_grad_(self.flat_param.requires_grad)
+        hook = None
+        if self._post_backward_hook is not None and leaf.requires_grad:
+            callback = self._post_backward_hook
+            hook = leaf.register_post_accumulate_grad_hook(lambda _: callback())
+        return Unsharded(padded, leaf, aliases_shard, hook)
+
+    def buffers(self) -> list[Unsharded]:
+        """The unsharded buffers built so far (compute dtype, then full precision)."""
+        if self._full_prec is None or self._full_prec is self._compute:
+            return [self._compute]
+        return [self._compute, self._full_prec]
+
+    def unsharded_for(self, dtype: torch.dtype) -> Unsharded:
+        """The unsharded buffer in ``dtype``: the compute one, else the full-precision one."""
+        if dtype == self._compute.leaf.dtype:
+            return self._compute
+        if self._full_prec is None:
+            self._full_prec = self._make_unsharded(dtype)
+            self.flat_param._full_prec_full_param_padded = self._full_prec.padded
+        return self._full_prec
+
+    def set_post_backward_hook(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` each time autograd has accumulated a trainable leaf's gradient."""
+        self._post_backward_hook = hook
+        for unsharded in self.buffers():
+            leaf = unsharded.leaf
+            if leaf.requires_grad:
+                unsharded.hook = leaf.register_post_accumulate_grad_hook(lambda _: hook())
+
+    def check_adoptable(self, converted: torch.Tensor, label: str) -> None:
+        """The flat parameter keeps its identity (optimizers hold it), so a conversion must
+        give a tensor it can take in place (``.data``), which e.g. CPU <-> meta cannot."""
+        if not torch._has_compatible_shallow_copy_type(self.flat_param, converted):
+            raise RuntimeError(
+                f"cannot convert FSDP unit '{label}' from {self.flat_param.device} to "
+                f"{converted.device}: its flat parameter cannot take a tensor of that type in "
+                "place. Move or cast the module before wrapping it in FSDP instead"
+            )
+
+    def adopt(self, local_shard: torch.Tensor, compute_dtype: torch.dtype) -> None:
+        """Make ``local_shard`` (converted by ``module.half()``, ``.to()``...) the shard, and
+        rebuild the unsharded buffers and leaves for it in ``compute_dtype``."""
+        if self._offload_params:
+            local_shard = self.pinned(local_shard)
+        # The one place the flat parameter changes storage: a conversion of the whole module.
+        self.flat_param.data = local_shard
+        self.flat_param._local_shard = local_shard
+        for unsharded in self.buffers():
+            if unsharded.hook is not None:
+                unsharded.hook.remove()
+        self._compute = self.active = self._make_unsharded(compute_dtype)
+        self._full_prec = None
+        self.flat_param._full_param_padded = self._compute.padded
+        self.flat_param._full_prec_full_param_padded = None
+
+    # -- unshard and reshard (driven by the handle's verbs) ---------------------------------
+
+    def unshard(self, dtype: torch.dtype, label: str) -> bool:
+        """Fill the unsharded buffer in ``dtype``; True if an all-gather is now in flight.
+
+        The shard is cast to ``dtype`` and moved to the compute device first, so the
+        collective carries that dtype's bytes.
+        """
+        self.active = unsharded = self.unsharded_for(dtype)
+        if unsharded.aliases_shard:
+            return False
+        padded = unsharded.padded
+        padded.untyped_storage().resize_(padded.numel() * padded.element_size())
+        local_shard = self.flat_param._local_shard
+        source = local_shard
+        if self._offload_params or local_shard.dtype != dtype:
+            source = torch.empty(local_shard.numel(), dtype=dtype, device=self.device)
+            source.copy_(local_shard, non_blocking=True)
+        if not self.uses_sharded_strategy:
+            padded.copy_(source)
+            return False
+        self._unshard_input = source
+        self._unshard_work = comm.all_gather_into(padded, source, self.groups.shard, label)
+        return True
+
+    def wait_unshard(self) -> None:
+        if self._unshard_work is not None:
+            self._unshard_work.wait()
+            self._unshard_work = None
+            self._unshard_input = None
+
+    def reshard(self) -> None:
+        """Free the unsharded storage (the shard stays)."""
+        if not self.active.aliases_shard:
+            self.active.padded.untyped_storage().resize_(0)
+
+    def write_back(self) -> None:
+        """Copy this rank's part of the unsharded buffer into the shard (summon's writeback)."""
+        if self.active.aliases_shard:
+            return
+        start, end = self.layout.shard_range(self._shard_rank)
+        with torch.no_grad():
+            self.flat_param._local_shard.copy_(self.active.padded[start:end])
+
+    def storage_size(self) -> int:
+        """Bytes held by the unsharded buffers (0 when resharded)."""
+        return sum(u.padded.untyped_storage().nbytes() for u in self.buffers())
+
+    # -- views ------------------------------------------------------------------------------
+
+    def leaf_views(self) -> list[torch.Tensor]:
+        """Per slot, its view (in its shape) of the active leaf."""
+        return self.views_of_flat(self.active.leaf)
+
+    def views_of_flat(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per slot, its view (in its shape) of an unsharded flat tensor of this segment."""
+        pieces = torch.split(flat[: self.layout.numel], self.layout.numels)
+        return [piece.view(slot.shape) for piece, slot in zip(pieces, self.layout.slots)]
+
+    def sharded_piece_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per slot, its piece of the shard-shaped ``flat`` (empty if it has none)."""
+        views: list[torch.Tensor] = []
+        for slot, piece in zip(self.layout.slots, self.pieces):
+            if not self.uses_sharded_strategy:
+                views.append(flat[slot.offset : slot.offset + slot.numel].view(slot.shape))
+            elif piece is None:
+                views.append(flat.new_empty(0))
+            else:
+                views.append(flat[piece.shard_start : piece.shard_start + piece.numel])
+        return views
+
+    def load_piece(self, slot_index: int, value: torch.Tensor) -> None:
+        """Copy this rank's piece of slot ``slot_index``'s full ``value`` into the shard."""
+        piece = self.pieces[slot_index]
+        if piece is None:
+            return
+        source = value.detach().reshape(-1)[piece.param_start : piece.param_start + piece.numel]
+        with torch.no_grad():
+            self.flat_param._local_shard[piece.shard_start : piece.shard_start + piece.numel].copy_(
+                source
+            )
+
+    def gather_flat_to_first_rank(self, shard: torch.Tensor, label: str) -> torch.Tensor | None:
+        """The unsharded flat form (``(padded_numel,)``) of the shard-shaped ``shard`` (this
+        rank's shard of the parameters or of an optimizer state), in fresh memory on the
+        shard group's first rank; the other ranks only send and get None. For ``rank0_only``
+        state dicts: no rank but the first allocates a segment-sized buffer."""
+        if not self.uses_sharded_strategy or self.groups.shard_size == 1:
+            return shard.to(self.device, copy=True) if self.groups.shard_rank == 0 else None
+        source = shard.to(self.device)
+        if self.groups.shard_rank != 0:
+            comm.gather_to_first_rank(None, source, self.groups.shard, label).wait()
+            return None
+        full = torch.empty(self.layout.padded_numel, dtype=shard.dtype, device=self.device)
+        outputs = list(full.chunk(self.groups.shard_size))  # shard_numel each
+        comm.gather_to_first_rank(outputs, source, self.groups.shard, label).wait()
+        return full
