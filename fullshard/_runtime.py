@@ -79,6 +79,18 @@ def reductions_in_flight(backward_prefetch: BackwardPrefetch | None) -> int:
 #   the last one; the reductions are linear, so each installment is reduced as it arrives.
 
 
+# [Note: resharding units with frozen parameters]
+# A unit reshards in its post-backward hook, which fires once autograd has accumulated the
+# gradient of its trainable leaf: every node that read a trainable view has run by then. A
+# frozen parameter's view gets no gradient, so a node that reads it only to compute an input
+# gradient (x @ W for a frozen W) may run after that hook, or with a fully frozen unit there
+# is no hook at all. Such a unit also waits for the gradients of its forward's inputs (a
+# multi-grad hook on the inputs that require grad): once both have arrived no node of the
+# unit's backward is left. A unit whose inputs need no gradient has nothing reading frozen
+# views after its leaf's hook. Before this, such units stayed unsharded until the end of
+# backward: with LoRA (every unit mixes frozen and trainable) the whole model at once.
+
+
 class TrainingState(enum.Enum):
     """What an FSDP unit is doing."""
 
@@ -306,6 +318,9 @@ class UnitRuntime:
         self.expected_installments = 0
         """How many times this step's backward will deliver the unit's gradient."""
         self.received_installments = 0
+        self.pending_input_grads = 0
+        """Forwards of this step whose inputs' gradients backward has yet to compute (units
+        with frozen parameters; see [Note: resharding units with frozen parameters])."""
         if handle is not None:
             handle.register_post_backward_hook(self.post_backward)
 
@@ -358,7 +373,7 @@ class UnitRuntime:
         handle.wait_unshard()
         handle.use_unsharded_views()
 
-    def post_forward(self, output: Any) -> Any:
+    def post_forward(self, output: Any, inputs: Any = ()) -> Any:
         if self.recomputing:
             self.recomputing = False
             return output
@@ -371,6 +386,8 @@ class UnitRuntime:
                 requires_grad, handle.unsharded_leaf, self.forward_started_at, ranges
             )
             ranges.add(self.forward_started_at, autograd_sequence_nr())
+        if will_backward and handle is not None and handle.has_frozen_segment:
+            self._await_input_grads(inputs)
         if handle is not None and (
             not will_backward or (self.reshard_after_forward and not self.is_root)
         ):
@@ -381,6 +398,33 @@ class UnitRuntime:
         self.training_state = TrainingState.IDLE
         self.handle_training_state = HandleTrainingState.IDLE
         return output
+
+    def _await_input_grads(self, inputs: Any) -> None:
+        """Reshard only once the gradients of ``inputs`` are computed too (see [Note:
+        resharding units with frozen parameters])."""
+        needing_grad = [t for t in iter_tensors(inputs) if t.requires_grad]
+        if not needing_grad:
+            return
+        self.pending_input_grads += 1
+        torch.autograd.graph.register_multi_grad_hook(
+            needing_grad, self._input_grads_computed, mode="all"
+        )
+
+    def _input_grads_computed(self, grads: Any) -> None:
+        self.pending_input_grads -= 1
+        self._reshard_if_done()
+
+    def _reshard_if_done(self) -> None:
+        """After the unit's backward: every gradient installment of its trainable leaf and
+        the gradients of its inputs (units with frozen parameters) have arrived."""
+        handle = self.handle
+        if (
+            handle is not None
+            and handle.state != HandleState.SHARDED
+            and self.received_installments >= self.expected_installments
+            and self.pending_input_grads <= 0
+        ):
+            handle.reshard()
 
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
         self.pre_backward()
@@ -415,15 +459,7 @@ class UnitRuntime:
             root.finalize_reductions(keep=root.reductions_in_flight)
         root.prefetch_for_backward(self, BackwardPrefetch.BACKWARD_POST)
         self.received_installments += 1
-        if (
-            handle.state != HandleState.SHARDED
-            and not handle.has_detached_frozen_views
-            and self.received_installments >= self.expected_installments
-        ):
-            # Frozen parameters' views are detached, so autograd may still read them after
-            # this hook; such units, and units still expecting gradient from a reentrant
-            # checkpoint region, are resharded at the end of backward instead.
-            handle.reshard()
+        self._reshard_if_done()
 
     def finish_backward(self) -> None:
         handle = self.handle
@@ -437,5 +473,6 @@ class UnitRuntime:
         self.ran_pre_backward = False
         self.expected_installments = 0
         self.received_installments = 0
+        self.pending_input_grads = 0
         self.training_state = TrainingState.IDLE
         self.handle_training_state = HandleTrainingState.IDLE

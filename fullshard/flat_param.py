@@ -75,7 +75,8 @@ _FSDP_USE_UNSAFE_SETATTR = "FSDP_USE_UNSAFE_SETATTR"
 # gradient for the whole unit, frozen elements included. The price is a second all-gather
 # per unshard (one per segment). Frozen views do not require grad, yet autograd may still
 # read them (to compute input gradients) after the trainable leaf's post-backward hook, so
-# such a unit is resharded at the end of backward instead (`has_detached_frozen_views`).
+# the runtime reshards such a unit once its forward inputs' gradients are computed too
+# (`has_frozen_segment`; see [Note: resharding units with frozen parameters] in _runtime.py).
 
 
 class HandleState(enum.Enum):
@@ -264,11 +265,11 @@ class FlatParamHandle:
         return [segment.flat_param for segment in self._segments]
 
     @property
-    def has_detached_frozen_views(self) -> bool:
-        """A frozen segment beside a trainable one: autograd may read the frozen views after
-        the post-backward hook, so the runtime reshards at the end of backward instead (see
-        [Note: frozen parameters])."""
-        return len(self._segments) > 1
+    def has_frozen_segment(self) -> bool:
+        """Some parameters are frozen: autograd reads their views to compute input gradients
+        with no post-backward hook of theirs telling when it is done (see [Note: frozen
+        parameters])."""
+        return any(not segment.flat_param.requires_grad for segment in self._segments)
 
     def segment_of(self, index: int) -> FlatSegment:
         """The segment holding parameter ``index`` (registration order)."""

@@ -446,7 +446,7 @@ class FullyShardedDataParallel(nn.Module):
             output = fn(*args, **kwargs)
             if input_dtype is not None:
                 output = _cast_floating(input_dtype, output)
-            return runtime.post_forward(output)
+            return runtime.post_forward(output, (args, kwargs))
 
     def _forward_in_summon(self, args: Any, kwargs: Any) -> Any:
         """Inside ``summon_full_params`` (generation code runs the inner model there): the

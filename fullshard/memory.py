@@ -15,8 +15,9 @@ gives the bytes one rank holds at its peak, split the way they are allocated:
   ``_runtime.reductions_in_flight``), plus the root unit's parameters, kept through the step
   (see [Note: the root keeps its parameters]). SHARD_GRAD_OP keeps every unit's parameters
   from forward to backward, plus two gradients. Unsharded gradients cover trainable elements
-  only; a unit mixing frozen and trainable parameters keeps its parameters unsharded until
-  the end of backward (see [Note: frozen parameters] in flat_param.py).
+  only; a unit with frozen parameters reshards once its inputs' gradients are computed, so
+  one more unit's parameters are alive as the next unit's backward begins (see [Note:
+  resharding units with frozen parameters] in _runtime.py).
 - ``activations``: what the caller estimates for the model and batch (``gpt_activations``
   for the example GPT).
 - ``staging``: CPU ranks of one host only (``shared_memory_cell_bytes``): the pages of the
@@ -174,17 +175,17 @@ def _unsharded_numel(
 ) -> int:
     """Peak elements of unsharded parameters and gradients in backward (see the module
     docstring): unit k's parameters and gradient, and unit k-1's prefetched parameters or
-    unit k+1's gradient in reduction; mixed units' parameters kept to the end of backward."""
+    unit k+1's gradient in reduction; with frozen parameters, unit k+1's parameters too."""
     largest = max(unit_numels, default=0)
     largest_grad = max(trainable[:-1], default=0)
     if name == "NO_SHARD":  # the shard is the whole unit: nothing is gathered
         return 2 * largest_grad
     if name in _KEEPS_UNSHARDED_AFTER_FORWARD:
         return root_numel + sum(unit_numels) + 2 * largest_grad  # kept from forward on
-    kept = [n for n, t in zip(unit_numels, trainable) if _is_mixed(n, t)]
-    others = [n for n, t in zip(unit_numels, trainable) if not _is_mixed(n, t)]
-    unsharded_params = sum(kept) + max(others, default=0) + root_numel
-    return unsharded_params + largest_grad + largest
+    # A unit with frozen parameters reshards once its inputs' gradients are computed too,
+    # about when the next unit's backward begins: one more unit's parameters alive then.
+    finishing = largest if any(t < n for n, t in zip(unit_numels, trainable)) else 0
+    return root_numel + largest + finishing + largest_grad + largest
 
 
 def _shard_ranks(name: str, world_size: int, shard_group_size: int | None) -> int:

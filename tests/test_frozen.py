@@ -655,3 +655,57 @@ def test_model_converted_after_wrapping_keeps_both_segments(use_orig_params: boo
     """``.double()`` after wrapping converts the trainable and the frozen segment; training
     then changes the adapters only."""
     run_on_ranks(2, _converted_after_wrapping, use_orig_params)
+
+
+# ----------------------------------------------------------------------------------------
+# Parameter memory in backward: units with frozen parameters reshard as their backward ends
+
+
+def _unsharded_units_in_backward(use_orig_params: bool, frozen_blocks: bool) -> list[int]:
+    """Per unit, in backward order, how many units hold unsharded parameters when its
+    pre-backward hook has run (LoRAStack, 6 blocks; ``frozen_blocks``: every block fully
+    frozen, so their units have no post-backward hook at all)."""
+    torch.manual_seed(0)
+    plain = LoRAStack(num_blocks=6)
+    if frozen_blocks:
+        for block in plain.blocks:
+            block.requires_grad_(False)
+    fsdp = _wrap(plain, "FULL_SHARD", use_orig_params)
+    units = _units(fsdp)
+    counts: list[int] = []
+
+    def count(*_: Any) -> None:
+        counts.append(sum(u._handle.state.name != "SHARDED" for u in units if u._handle))
+
+    for _ in range(2):  # the second step: after lazy initialisation and a first backward
+        counts.clear()
+        x = _input(dist.get_rank(), 0).requires_grad_(frozen_blocks)  # frozen: inputs need grad
+        output = fsdp(x)
+        for unit in units[1:]:  # the blocks' outputs, as their pre-backward hooks see them
+            unit._runtime.pre_backward = _after(unit._runtime.pre_backward, count)
+        fsdp._fsdp_wrapped_module.get_loss((x,), output).backward()
+        for unit in units[1:]:
+            del unit._runtime.pre_backward
+        assert all(u._handle.state.name == "SHARDED" for u in units if u._handle)
+    return counts
+
+
+def _after(method: Any, then: Any) -> Any:
+    def run() -> None:
+        method()
+        then()
+
+    return run
+
+
+@pytest.mark.parametrize("frozen_blocks", [False, True], ids=["lora", "frozen_blocks"])
+@each_use_orig_params
+def test_units_with_frozen_parameters_reshard_during_backward(
+    use_orig_params: bool, frozen_blocks: bool
+) -> None:
+    """Units with frozen parameters reshard once their inputs' gradients are computed, not
+    at the end of backward: at most the root, the unit computing, the unit just finished
+    and the prefetched one are unsharded at a time (before: every unit by the end)."""
+    for counts in run_on_ranks(2, _unsharded_units_in_backward, use_orig_params, frozen_blocks):
+        assert len(counts) == 6, counts
+        assert max(counts) <= 4, counts

@@ -55,15 +55,16 @@ def test_bad_world_size_is_rejected() -> None:
 
 def test_frozen_parameters_count_no_gradient_or_optimizer_state() -> None:
     """trainable_numels: gradients and Adam's state cover trainable shards only; a mixed
-    unit's segments are padded on their own; mixed units stay unsharded through backward."""
+    unit's segments are padded on their own; units with frozen parameters reshard one unit
+    later in backward."""
     result = estimate([1000, 1000, 400], 4, root_numel=100, trainable_numels=[10, 10, 0])
     # root all trainable (default): 25; units: trainable 3 + 3 + 0, frozen 248 + 248 + 100.
     assert result.grads == (3 + 3 + 0 + 25) * 4
     assert result.optimizer == 2 * result.grads
     assert result.params == (3 + 248 + 3 + 248 + 100 + 25) * 4
-    # The two mixed units kept, the largest other unit, the root; one unit's gradient (10)
-    # and one prefetched unit.
-    assert result.unsharded == (2000 + 400 + 100 + 10 + 1000) * 4
+    # The root, the unit computing, the unit finishing (awaiting its inputs' gradients),
+    # one prefetched unit, and one unit's gradient (10).
+    assert result.unsharded == (100 + 1000 + 1000 + 1000 + 10) * 4
     every = estimate([1000, 1000, 400], 4, root_numel=100, trainable_numels=[1000, 1000, 400])
     assert every == estimate([1000, 1000, 400], 4, root_numel=100)
 
