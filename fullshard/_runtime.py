@@ -289,6 +289,9 @@ class RootState:
         for unit in self.units:
             unit.finish_backward()
         self.end_of_backward_queued = False
+        for unit in self.units:  # once every unit is back to IDLE
+            if unit.handle is not None:
+                unit.handle.check_requires_grad_unchanged()
 
 
 class UnitRuntime:

@@ -516,6 +516,30 @@ class FlatParamHandle:
         self._post_backward_hook = hook
         self._segments[0].set_post_backward_hook(hook)
 
+    def check_requires_grad_unchanged(self) -> None:
+        """Raise if ``requires_grad`` changed after wrapping: which parameters train is fixed
+        when the unit is built (frozen and trainable ones are flattened apart, and only the
+        trainable segment's leaf gets a gradient), so a parameter frozen later would keep
+        training and one unfrozen later would silently never train. Checked after backward:
+        freezing a wrapped model for inference stays allowed."""
+        changed: list[str] = []
+        if self._use_orig_params:
+            for index, param in enumerate(self._orig_params):
+                if param.requires_grad != self.slot(index).requires_grad:
+                    changed.append(f"{self.slot(index).fqn} (now {param.requires_grad})")
+        else:
+            for segment in self._segments:
+                if segment.flat_param.requires_grad != segment.requires_grad:
+                    fqns = ", ".join(slot.fqn for slot in segment.layout.slots)
+                    now = segment.flat_param.requires_grad
+                    changed.append(f"the flat parameter of {fqns} (now {now})")
+        if changed:
+            raise RuntimeError(
+                f"requires_grad changed after FullyShardedDataParallel wrapped FSDP unit "
+                f"'{self.label}': {', '.join(changed)}. FSDP fixes which parameters train when "
+                "it wraps the model; set requires_grad (freeze or unfreeze) before wrapping"
+            )
+
     def has_unsharded_grad(self) -> bool:
         return any(u.leaf.grad is not None for u in self._segments[0].buffers())
 

@@ -709,3 +709,28 @@ def test_units_with_frozen_parameters_reshard_during_backward(
     for counts in run_on_ranks(2, _unsharded_units_in_backward, use_orig_params, frozen_blocks):
         assert len(counts) == 6, counts
         assert max(counts) <= 4, counts
+
+
+def _change_requires_grad_after_wrapping(use_orig_params: bool, freeze: bool) -> str:
+    torch.manual_seed(0)
+    fsdp = _wrap(LoRAStack(), "FULL_SHARD", use_orig_params)
+    x = _input(dist.get_rank(), 0)
+    fsdp(x).sum().backward()  # one step as wrapped
+    for param in fsdp.parameters():
+        param.requires_grad_(not freeze)
+    fsdp(x).sum()  # a forward with no backward (inference with grad on): allowed
+    with pytest.raises(RuntimeError, match="requires_grad changed after") as error:
+        fsdp(x).sum().backward()
+    return str(error.value)
+
+
+@pytest.mark.parametrize("freeze", [True, False], ids=["frozen_later", "unfrozen_later"])
+@each_use_orig_params
+def test_requires_grad_changed_after_wrapping_raises_at_backward(
+    use_orig_params: bool, freeze: bool
+) -> None:
+    """Freezing (or unfreezing) parameters after wrapping would silently keep training them
+    (or never train them): the backward that would do so raises, naming them."""
+    for message in run_on_ranks(2, _change_requires_grad_after_wrapping, use_orig_params, freeze):
+        assert "set requires_grad (freeze or unfreeze) before wrapping" in message
+        assert "FSDP unit '(root)'" in message
