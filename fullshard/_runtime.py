@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
+from ._compile import eager
 from .api import BackwardPrefetch, ShardingStrategy
 from .flat_param import FlatParamHandle, HandleState
 
@@ -283,6 +284,7 @@ class RootState:
             assert unit.handle is not None
             unit.handle.finalize_grad()
 
+    @eager
     def finish_backward(self) -> None:
         """Wait for every reduction, finalise sharded gradients, reshard everything."""
         self.finalize_reductions()
@@ -340,6 +342,7 @@ class UnitRuntime:
             HandleTrainingState.BACKWARD_POST,
         )
 
+    @eager
     def pre_forward(self, full_precision: bool = False) -> None:
         if self.in_backward():
             self._pre_recompute()
@@ -376,6 +379,7 @@ class UnitRuntime:
         handle.wait_unshard()
         handle.use_unsharded_views()
 
+    @eager
     def post_forward(self, output: Any, inputs: Any = ()) -> Any:
         if self.recomputing:
             self.recomputing = False
@@ -413,6 +417,7 @@ class UnitRuntime:
             needing_grad, self._input_grads_computed, mode="all"
         )
 
+    @eager
     def _input_grads_computed(self, grads: Any) -> None:
         self.pending_input_grads -= 1
         self._reshard_if_done()
@@ -432,6 +437,7 @@ class UnitRuntime:
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
         self.pre_backward()
 
+    @eager
     def pre_backward(self) -> None:
         if self.ran_pre_backward:
             return
@@ -450,6 +456,7 @@ class UnitRuntime:
         handle.wait_unshard()
         handle.use_unsharded_views()
 
+    @eager
     def post_backward(self) -> None:
         handle = self.handle
         assert handle is not None
@@ -464,6 +471,7 @@ class UnitRuntime:
         self.received_installments += 1
         self._reshard_if_done()
 
+    @eager
     def finish_backward(self) -> None:
         handle = self.handle
         if handle is not None:

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import _dcp_state_dict, _init_utils, _optim_state_dict, _state_dict
+from ._compile import eager, eager_frame
 from ._optim_state_dict import OptimStateKeyType
 from ._process_groups import ShardingGroups, effective_strategy, resolve_groups
 from ._runtime import RootState, TrainingState, UnitRuntime, iter_tensors, map_tensors
@@ -406,47 +407,68 @@ class FullyShardedDataParallel(nn.Module):
 
     # -- forward ----------------------------------------------------------------------------
 
+    @eager_frame
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # Runs eagerly under torch.compile; the wrapped module's forward is compiled as a
+        # frame of its own. See [Note: torch.compile runs the wrapper eagerly].
         if self._runtime.training_state == TrainingState.SUMMON_FULL_PARAMS:
             return self._forward_in_summon(args, kwargs)
         return self._run_forward(self._fsdp_wrapped_module, args, kwargs)
 
+    @eager_frame
     def _run_forward(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         """Run ``fn`` (the wrapped module, or one of its forward methods such as
-        ``generate``) as this unit's forward: parameters unsharded around it."""
+        ``generate``) as this unit's forward: parameters unsharded around it.
+
+        Only ``fn`` is compiled under torch.compile: the bookkeeping before and after it is
+        disabled for dynamo (see [Note: torch.compile runs the wrapper eagerly])."""
+        with torch.autograd.profiler.record_function(f"fullshard::forward({self._label})"):
+            args, kwargs, input_dtype = self._before_forward(args, kwargs)
+            output = fn(*args, **kwargs)
+            return self._after_forward(output, input_dtype, (args, kwargs))
+
+    @eager
+    def _before_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any, torch.dtype | None]:
+        """Lazy init, device checks, input casts and the pre-forward hook (unshard).
+
+        Returns the inputs to run with and, for classes that upcast under mixed precision,
+        the dtype to cast the output back to."""
         runtime = self._runtime
         if runtime.is_root is None:
             self._lazy_init()
-        with torch.autograd.profiler.record_function(f"fullshard::forward({self._label})"):
-            full_precision = self._forces_full_precision()
-            mixed_precision = self._mixed_precision
-            if self._handle is not None:
-                _init_utils.check_on_compute_device(
-                    self._handle.flat_param.device,
-                    self.compute_device,
-                    self._handle.offload_params,
-                    self._label,
-                )
-            if runtime.is_root:
-                args, kwargs = self._to_compute_device(args, kwargs)
-                self._cast_buffers(full_precision)
-            if mixed_precision is not None and not full_precision:
-                cast_inputs = (
-                    mixed_precision.cast_root_forward_inputs
-                    if runtime.is_root
-                    else mixed_precision.cast_forward_inputs
-                )
-                if cast_inputs and mixed_precision.param_dtype is not None:
-                    args, kwargs = _cast_floating(mixed_precision.param_dtype, (args, kwargs))
-            input_dtype = None
-            if self._upcasts_for_class:
-                input_dtype = _first_floating_dtype((args, kwargs))
-                args, kwargs = _cast_floating(torch.float32, (args, kwargs))
-            runtime.pre_forward(full_precision)
-            output = fn(*args, **kwargs)
-            if input_dtype is not None:
-                output = _cast_floating(input_dtype, output)
-            return runtime.post_forward(output, (args, kwargs))
+        full_precision = self._forces_full_precision()
+        mixed_precision = self._mixed_precision
+        if self._handle is not None:
+            _init_utils.check_on_compute_device(
+                self._handle.flat_param.device,
+                self.compute_device,
+                self._handle.offload_params,
+                self._label,
+            )
+        if runtime.is_root:
+            args, kwargs = self._to_compute_device(args, kwargs)
+            self._cast_buffers(full_precision)
+        if mixed_precision is not None and not full_precision:
+            cast_inputs = (
+                mixed_precision.cast_root_forward_inputs
+                if runtime.is_root
+                else mixed_precision.cast_forward_inputs
+            )
+            if cast_inputs and mixed_precision.param_dtype is not None:
+                args, kwargs = _cast_floating(mixed_precision.param_dtype, (args, kwargs))
+        input_dtype = None
+        if self._upcasts_for_class:
+            input_dtype = _first_floating_dtype((args, kwargs))
+            args, kwargs = _cast_floating(torch.float32, (args, kwargs))
+        runtime.pre_forward(full_precision)
+        return args, kwargs, input_dtype
+
+    @eager
+    def _after_forward(self, output: Any, input_dtype: torch.dtype | None, inputs: Any) -> Any:
+        """The post-forward hook (reshard, backward hooks on the outputs and ``inputs``)."""
+        if input_dtype is not None:
+            output = _cast_floating(input_dtype, output)
+        return self._runtime.post_forward(output, inputs)
 
     def _forward_in_summon(self, args: Any, kwargs: Any) -> Any:
         """Inside ``summon_full_params`` (generation code runs the inner model there): the
