@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fullshard import FullyShardedDataParallel as FSDP
+from fullshard import MixedPrecision, ShardingStrategy
 from fullshard.examples.gpt import GPT, Block, GPTConfig
 from fullshard.wrap import ModuleWrapPolicy
 from harness import run_on_ranks
@@ -35,8 +36,21 @@ MAX_GRAPH_BREAKS = 2
 """Measured: the root's compiled frame breaks once at each nested unit's call (2 blocks)."""
 
 
-def _wrap(model: nn.Module, use_orig_params: bool) -> FSDP:
-    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=use_orig_params)
+SETTINGS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "shard_grad_op": {"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP},
+    "bf16": {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16)},
+}
+"""Wrapping options besides the defaults (FULL_SHARD, full precision)."""
+
+
+def _wrap(model: nn.Module, use_orig_params: bool, setting: str = "default") -> FSDP:
+    return FSDP(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        use_orig_params=use_orig_params,
+        **SETTINGS[setting],
+    )
 
 
 def _compile(fsdp: FSDP, backend: str, mode: str) -> Callable[..., Any]:
@@ -66,13 +80,13 @@ def _reset_dynamo() -> None:
 
 
 def _train_compiled_and_eager(
-    backend: str, mode: str, use_orig_params: bool, optim: str
+    backend: str, mode: str, use_orig_params: bool, optim: str, setting: str = "default"
 ) -> dict[str, Any]:
     _reset_dynamo()
     torch.manual_seed(0)
     model = GPT(CONFIG)
-    eager = _wrap(copy.deepcopy(model), use_orig_params)
-    compiled_fsdp = _wrap(model, use_orig_params)
+    eager = _wrap(copy.deepcopy(model), use_orig_params, setting)
+    compiled_fsdp = _wrap(model, use_orig_params, setting)
     compiled = _compile(compiled_fsdp, backend, mode)
     optimizers = [_optimizer(optim, m.parameters()) for m in (eager, compiled_fsdp)]
     losses: list[tuple[float, float]] = []
@@ -83,7 +97,7 @@ def _train_compiled_and_eager(
         pair = []
         for run, optimizer in zip((eager, compiled), optimizers):
             logits = run(idx[:, :-1])  # (B, T-1, V)
-            loss = F.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten())
+            loss = F.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -125,6 +139,15 @@ def test_compiled_training_matches_eager_aot_eager(
     for result in run_on_ranks(
         2, _train_compiled_and_eager, "aot_eager", mode, use_orig_params, optim
     ):
+        _check_matches_eager(result)
+
+
+@pytest.mark.parametrize("setting", ["shard_grad_op", "bf16"])
+def test_compiled_training_matches_eager_other_settings(setting: str) -> None:
+    """SHARD_GRAD_OP (parameters kept unsharded until backward) and bf16 mixed precision
+    compile too, equal to eager."""
+    results = run_on_ranks(2, _train_compiled_and_eager, "aot_eager", "whole", True, "sgd", setting)
+    for result in results:
         _check_matches_eager(result)
 
 
