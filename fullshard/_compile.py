@@ -2,11 +2,12 @@
 
 # [Note: torch.compile runs the wrapper eagerly]
 # fullshard's bookkeeping (lazy init, the transport's setup, storage resizes, collectives,
-# state machines, hooks) is Python that dynamo cannot put in a graph: tracing it graph-breaks
-# dozens of times per unit (gloo work handles, `.item()` in the transport's setup, enum
-# state), and what it does trace is wrong to compile (inductor cannot lower the
-# `untyped_storage().resize_` of unshard/reshard, and a collective captured in a graph would
-# run once per graph replay, not once per step). So dynamo never traces it:
+# state machines, hooks) is Python that dynamo cannot put in a graph: traced, it failed in the
+# shared-memory transport's setup (`broadcast_object_list`), and after an eager step it
+# graph-broke 16 times in one forward of a 3-unit model (37 times and 26 graphs over 24 steps
+# of a 4-block GPT, which then ran 5x slower than eager: 172 ms against 32 ms a step on 2 CPU
+# ranks); inductor could not lower the `untyped_storage().resize_` of unshard/reshard. So
+# dynamo never traces it:
 #
 # - `FullyShardedDataParallel.forward` and `_run_forward` are skipped frames
 #   (`eager_frame`): dynamo runs them eagerly, but frames they call are still compiled. The
@@ -21,7 +22,10 @@
 # object (blocks of one class share their compiled code, guarded on shapes and dtypes). The
 # views a unit gives its modules are new tensors at every pre-forward, so dynamo must see
 # them as graph inputs, not constants: modules are traced "unspecialized" by default
-# (`torch._dynamo.config.inline_inbuilt_nn_modules`), which does exactly that.
+# (`torch._dynamo.config.inline_inbuilt_nn_modules`), which does exactly that. Measured after:
+# the 3-unit model compiles into 3 graphs with 2 graph breaks; the GPT's block compiles once
+# (1 graph, no recompilation over 24 steps; its root forward calls the blocks in a loop, and
+# dynamo runs a frame that graph-breaks inside a loop eagerly), at 34-37 ms a step.
 """
 
 from __future__ import annotations
