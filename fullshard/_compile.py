@@ -1,4 +1,13 @@
-"""How fullshard's bookkeeping stays out of ``torch.compile``'s graphs.
+"""How fullshard's bookkeeping stays out of ``torch.compile``'s graphs (see the Note)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import torch
+
+__all__: list[str] = []
 
 # [Note: torch.compile runs the wrapper eagerly]
 # fullshard's bookkeeping (lazy init, the transport's setup, storage resizes, collectives,
@@ -26,16 +35,7 @@
 # the 3-unit model compiles into 3 graphs with 2 graph breaks; the GPT's block compiles once
 # (1 graph, no recompilation over 24 steps; its root forward calls the blocks in a loop, and
 # dynamo runs a frame that graph-breaks inside a loop eagerly), at 34-37 ms a step.
-"""
 
-from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Any, TypeVar, cast
-
-import torch
-
-__all__: list[str] = []
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
