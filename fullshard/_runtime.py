@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import bisect
 import enum
+import functools
 import os
+import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.autograd import Variable
+from torch.utils.hooks import RemovableHandle
 
 from ._compile import eager
 from .api import BackwardPrefetch, ShardingStrategy
@@ -75,9 +79,13 @@ def reductions_in_flight(backward_prefetch: BackwardPrefetch | None) -> int:
 #   a backward of its own, so the leaf's gradient may arrive in several installments: one
 #   from the step's graph, one from each reentrant region inside the unit. Resharding after
 #   the first would free parameters that a later installment's recomputation (or a node of
-#   the step's graph) still reads. post_forward therefore counts the installments in the
-#   graph the forward built (`gradient_installments`), and post_backward reshards only after
-#   the last one; the reductions are linear, so each installment is reduced as it arrives.
+#   the step's graph) still reads. post_forward records the nodes that deliver them in the
+#   graph the forward built (`gradient_sources`: the leaf's AccumulateGrad and each reentrant
+#   region's node), in a record the output hooks own (it dies with the graph); the
+#   pre-backward hook counts those the backward in progress will run, and post_backward
+#   reshards only after the last installment. The reductions are linear, so each
+#   installment is reduced as it arrives (two reduce-scatters where a unit's parameters are
+#   used both inside and outside a reentrant region).
 
 
 # [Note: resharding units with frozen parameters]
@@ -143,19 +151,37 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
     return obj
 
 
-def gradient_installments(
-    outputs: list[torch.Tensor], leaf: torch.Tensor, since: int, nested: NestedForwards
-) -> int:
-    """How many times backward will deliver gradient to ``leaf`` through ``outputs``' graph.
+class ForwardRecord:
+    """What one forward of a unit leaves for its backward. The hooks on that forward's
+    outputs hold it, so it lives exactly as long as the forward's graph: a forward that is
+    never backpropagated (a loss logged with grad on) leaves nothing behind."""
 
-    Walks the nodes this unit's forward made (sequence numbers from ``since``, less those of
-    nested units' forwards): the step's graph delivers once if it reaches ``leaf``; each
-    reentrant checkpoint region delivers once more, from its own backward (see [Note: forward
-    inside backward]). Regions that turn out not to use ``leaf`` only delay the reshard to
-    the end of backward."""
-    reaches_leaf = False
-    regions = 0
+    __slots__ = ("__weakref__", "input_hook", "input_nodes", "inputs", "sources")
+
+    def __init__(self) -> None:
+        self.sources: list[torch.autograd.graph.Node] = []
+        """The nodes whose execution delivers gradient to the unit's leaf (see
+        ``gradient_sources``)."""
+        self.inputs: list[torch.Tensor] = []
+        """Units with frozen parameters: the forward's inputs that require grad."""
+        self.input_nodes: list[torch.autograd.graph.Node] = []
+        """The nodes that compute the gradients of ``inputs``."""
+        self.input_hook: RemovableHandle | None = None
+
+
+def gradient_sources(
+    outputs: list[torch.Tensor], leaf: torch.Tensor, since: int, nested: NestedForwards
+) -> list[torch.autograd.graph.Node]:
+    """The nodes of ``outputs``' graph whose execution delivers gradient to ``leaf``: its
+    AccumulateGrad, if the graph reaches it, and each reentrant checkpoint region's node,
+    which runs a backward of its own (see [Note: forward inside backward]).
+
+    Walks the nodes this unit's forward made (sequence numbers from ``since``), jumping over
+    each nested unit's forward to the nodes of its inputs. Regions that turn out not to use
+    ``leaf`` only delay the reshard to the end of backward."""
+    sources: list[torch.autograd.graph.Node] = []
     seen: set[torch.autograd.graph.Node] = set()
+    jumped: set[int] = set()
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     while stack:
         node = stack.pop()
@@ -163,15 +189,31 @@ def gradient_installments(
             continue
         seen.add(node)
         if getattr(node, "variable", None) is leaf:  # AccumulateGrad of the leaf
-            reaches_leaf = True
+            sources.append(node)
             continue
         number = node._sequence_nr()
-        if number < since or nested.contains(number):  # another unit's node
+        if number < since:  # made before this unit's forward
+            continue
+        index = nested.index_of(number)
+        if index is not None:  # a nested unit's node: go on from that unit's inputs
+            if index not in jumped:
+                jumped.add(index)
+                stack.extend(nested.inputs[index])
             continue
         if type(node).__name__ == "CheckpointFunctionBackward":
-            regions += 1
+            sources.append(node)
         stack.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
-    return int(reaches_leaf) + regions
+    return sources
+
+
+def input_nodes(inputs: list[torch.Tensor]) -> list[torch.autograd.graph.Node]:
+    """The nodes that compute the gradients of ``inputs`` (which require grad)."""
+    return [torch.autograd.graph.get_gradient_edge(t).node for t in inputs]
+
+
+def will_run(node: torch.autograd.graph.Node) -> bool:
+    """Whether the backward in progress executes ``node`` (called from a backward hook)."""
+    return bool(torch._C._will_engine_execute_node(node))
 
 
 def autograd_sequence_nr() -> int:
@@ -186,22 +228,25 @@ _SEQUENCE_PROBE = torch.zeros((), requires_grad=True)
 
 
 class NestedForwards:
-    """The autograd sequence numbers of the unit forwards completed in this step's forward,
-    as disjoint ``[start, end)`` ranges (a range inside another is dropped)."""
+    """The unit forwards completed on one thread in this step's forward: their autograd
+    sequence numbers as disjoint ``[start, end)`` ranges (a range inside another is dropped),
+    and the nodes of each one's inputs."""
 
     def __init__(self) -> None:
         self.starts: list[int] = []
         self.ends: list[int] = []
+        self.inputs: list[list[torch.autograd.graph.Node]] = []
 
-    def add(self, start: int, end: int) -> None:
+    def add(self, start: int, end: int, inputs: list[torch.autograd.graph.Node]) -> None:
         first = bisect.bisect_left(self.starts, start)  # the units nested in this one end here
-        del self.starts[first:], self.ends[first:]
+        del self.starts[first:], self.ends[first:], self.inputs[first:]
         self.starts.append(start)
         self.ends.append(end)
+        self.inputs.append(inputs)
 
-    def contains(self, number: int) -> bool:
+    def index_of(self, number: int) -> int | None:
         index = bisect.bisect_right(self.starts, number) - 1
-        return index >= 0 and number < self.ends[index]
+        return index if index >= 0 and number < self.ends[index] else None
 
 
 class RootState:
@@ -219,8 +264,9 @@ class RootState:
         self.reductions_in_flight = reductions_in_flight(backward_prefetch)
         self.forward_order: list[UnitRuntime] = []
         """Units with parameters, in the order their forward first ran this step."""
-        self.forward_ranges = NestedForwards()
-        """Where each unit's forward is in autograd's sequence numbers, this step."""
+        self._forward_ranges: dict[int, NestedForwards] = {}
+        """Per thread (autograd numbers nodes per thread), where each unit's forward is in
+        autograd's sequence numbers, this step."""
         self.previous_forward_order: list[UnitRuntime] = []
         """The last step's ``forward_order``: what forward prefetching expects to run next."""
         self.pending_reductions: list[UnitRuntime] = []
@@ -233,7 +279,12 @@ class RootState:
         if self.forward_order:
             self.previous_forward_order = self.forward_order
         self.forward_order = []
-        self.forward_ranges = NestedForwards()
+        self._forward_ranges = {}
+
+    @property
+    def forward_ranges(self) -> NestedForwards:
+        """This thread's ``NestedForwards``."""
+        return self._forward_ranges.setdefault(threading.get_ident(), NestedForwards())
 
     def prefetch_for_forward(self, unit: UnitRuntime) -> None:
         """``forward_prefetch``: issue the all-gather of the unit whose forward followed
@@ -320,12 +371,15 @@ class UnitRuntime:
         checkpointing; see [Note: forward inside backward])."""
         self.forward_started_at = 0
         """Autograd's sequence number when this unit's current forward began."""
+        self.forward_records: list[weakref.ref[ForwardRecord]] = []
+        """One per forward whose graph may still be backpropagated (dead ones are pruned)."""
         self.expected_installments = 0
-        """How many times this step's backward will deliver the unit's gradient."""
+        """How many times the backward in progress delivers the unit's gradient (counted at
+        the pre-backward hook, from the forwards' records)."""
         self.received_installments = 0
-        self.pending_input_grads = 0
-        """Forwards of this step whose inputs' gradients backward has yet to compute (units
-        with frozen parameters; see [Note: resharding units with frozen parameters])."""
+        self.pending_input_grads: set[ForwardRecord] = set()
+        """Units with frozen parameters: the forwards whose inputs' gradients the backward in
+        progress has yet to compute (see [Note: resharding units with frozen parameters])."""
         if handle is not None:
             handle.register_post_backward_hook(self.post_backward)
 
@@ -355,6 +409,7 @@ class UnitRuntime:
         self.training_state = TrainingState.FORWARD_BACKWARD
         self.handle_training_state = HandleTrainingState.FORWARD
         self.full_precision = full_precision
+        self.forward_started_at = autograd_sequence_nr()
         handle = self.handle
         if handle is None:
             return
@@ -365,7 +420,6 @@ class UnitRuntime:
             handle.unshard(full_precision)
         self.root.prefetch_for_forward(self)  # issued before we block on our own all-gather
         handle.wait_unshard()
-        self.forward_started_at = autograd_sequence_nr()
         handle.use_unsharded_views()
 
     def _pre_recompute(self) -> None:
@@ -387,39 +441,58 @@ class UnitRuntime:
         requires_grad = [t for t in iter_tensors(output) if t.requires_grad]
         will_backward = torch.is_grad_enabled() and bool(requires_grad)
         handle = self.handle
-        if will_backward and handle is not None and handle.flat_param.requires_grad:
-            ranges = self.root.forward_ranges
-            self.expected_installments += gradient_installments(
-                requires_grad, handle.unsharded_leaf, self.forward_started_at, ranges
-            )
-            ranges.add(self.forward_started_at, autograd_sequence_nr())
-        if will_backward and handle is not None and handle.has_frozen_segment:
-            self._await_input_grads(inputs)
+        if will_backward:
+            record = self._record_forward(inputs, requires_grad)
+            for tensor in requires_grad:
+                tensor.register_hook(functools.partial(self._pre_backward_hook, record))
         if handle is not None and (
             not will_backward or (self.reshard_after_forward and not self.is_root)
         ):
             handle.reshard()
-        if will_backward:
-            for tensor in requires_grad:
-                tensor.register_hook(self._pre_backward_hook)
         self.training_state = TrainingState.IDLE
         self.handle_training_state = HandleTrainingState.IDLE
         return output
 
-    def _await_input_grads(self, inputs: Any) -> None:
-        """Reshard only once the gradients of ``inputs`` are computed too (see [Note:
-        resharding units with frozen parameters])."""
+    def _record_forward(self, inputs: Any, outputs: list[torch.Tensor]) -> ForwardRecord:
+        """What backward needs to know of this forward to reshard at the right moment (see
+        [Note: forward inside backward], [Note: resharding units with frozen parameters])."""
+        record = ForwardRecord()
         needing_grad = [t for t in iter_tensors(inputs) if t.requires_grad]
-        if not needing_grad:
-            return
-        self.pending_input_grads += 1
-        torch.autograd.graph.register_multi_grad_hook(
-            needing_grad, self._input_grads_computed, mode="all"
-        )
+        nodes = input_nodes(needing_grad)
+        handle = self.handle
+        ranges = self.root.forward_ranges
+        if handle is not None and handle.unsharded_leaf.requires_grad:
+            record.sources = gradient_sources(
+                outputs, handle.unsharded_leaf, self.forward_started_at, ranges
+            )
+        if handle is not None and handle.has_frozen_segment and needing_grad:
+            record.inputs, record.input_nodes = needing_grad, nodes
+        ranges.add(self.forward_started_at, autograd_sequence_nr(), nodes)
+        self.forward_records = [ref for ref in self.forward_records if ref() is not None]
+        self.forward_records.append(weakref.ref(record))
+        return record
+
+    def _count_installments(self) -> None:
+        """At the pre-backward hook: how many gradient installments and input gradients the
+        backward in progress will deliver, from the records of the forwards it runs through
+        (a forward never backpropagated counts nothing)."""
+        records = [r for r in (ref() for ref in self.forward_records) if r is not None]
+        sources = {node for record in records for node in record.sources}
+        self.expected_installments = sum(will_run(node) for node in sources)
+        self.received_installments = 0
+        for record in records:
+            if record.inputs and any(will_run(node) for node in record.input_nodes):
+                self.pending_input_grads.add(record)
+                record.input_hook = torch.autograd.graph.register_multi_grad_hook(
+                    record.inputs, functools.partial(self._input_grads_computed, record)
+                )
 
     @eager
-    def _input_grads_computed(self, grads: Any) -> None:
-        self.pending_input_grads -= 1
+    def _input_grads_computed(self, record: ForwardRecord, grads: Any) -> None:
+        if record.input_hook is not None:
+            record.input_hook.remove()
+            record.input_hook = None
+        self.pending_input_grads.discard(record)
         self._reshard_if_done()
 
     def _reshard_if_done(self) -> None:
@@ -430,11 +503,11 @@ class UnitRuntime:
             handle is not None
             and handle.state != HandleState.SHARDED
             and self.received_installments >= self.expected_installments
-            and self.pending_input_grads <= 0
+            and not self.pending_input_grads
         ):
             handle.reshard()
 
-    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
+    def _pre_backward_hook(self, record: ForwardRecord, grad: torch.Tensor) -> None:
         self.pre_backward()
 
     @eager
@@ -442,7 +515,7 @@ class UnitRuntime:
         if self.ran_pre_backward:
             return
         self.ran_pre_backward = True
-        self.received_installments = 0
+        self._count_installments()
         root = self.root
         root.queue_end_of_backward()
         self.training_state = TrainingState.FORWARD_BACKWARD
@@ -484,6 +557,10 @@ class UnitRuntime:
         self.ran_pre_backward = False
         self.expected_installments = 0
         self.received_installments = 0
-        self.pending_input_grads = 0
+        for record in self.pending_input_grads:  # inputs whose gradients never came
+            if record.input_hook is not None:
+                record.input_hook.remove()
+                record.input_hook = None
+        self.pending_input_grads = set()
         self.training_state = TrainingState.IDLE
         self.handle_training_state = HandleTrainingState.IDLE

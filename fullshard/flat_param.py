@@ -269,7 +269,7 @@ class FlatParamHandle:
         """Some parameters are frozen: autograd reads their views to compute input gradients
         with no post-backward hook of theirs telling when it is done (see [Note: frozen
         parameters])."""
-        return any(not segment.flat_param.requires_grad for segment in self._segments)
+        return any(not segment.requires_grad for segment in self._segments)
 
     def segment_of(self, index: int) -> FlatSegment:
         """The segment holding parameter ``index`` (registration order)."""

@@ -385,6 +385,8 @@ class FullyShardedDataParallel(nn.Module):
             return attr
 
     def _call_forward_method(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self._runtime.training_state == TrainingState.SUMMON_FULL_PARAMS:
+            return self._forward_in_summon(method, args, kwargs)
         return self._run_forward(method, args, kwargs)
 
     def __getitem__(self, key: int) -> Any:
@@ -412,7 +414,7 @@ class FullyShardedDataParallel(nn.Module):
         # Runs eagerly under torch.compile; the wrapped module's forward is compiled as a
         # frame of its own. See [Note: torch.compile runs the wrapper eagerly].
         if self._runtime.training_state == TrainingState.SUMMON_FULL_PARAMS:
-            return self._forward_in_summon(args, kwargs)
+            return self._forward_in_summon(self._fsdp_wrapped_module, args, kwargs)
         return self._run_forward(self._fsdp_wrapped_module, args, kwargs)
 
     @eager_frame
@@ -470,17 +472,20 @@ class FullyShardedDataParallel(nn.Module):
             output = _cast_floating(input_dtype, output)
         return self._runtime.post_forward(output, inputs)
 
-    def _forward_in_summon(self, args: Any, kwargs: Any) -> Any:
+    def _forward_in_summon(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         """Inside ``summon_full_params`` (generation code runs the inner model there): the
-        module already sees its full parameters, so it computes with them, in their own
-        dtype, and the unit's state is left to the summon."""
+        module already sees its full parameters, so ``fn`` (the wrapped module or one of its
+        forward methods) computes with them, in their own dtype, and the unit's state is left
+        to the summon. Under no_grad: gradients of the summoned parameters would be dropped
+        when the summon ends, so a backward through this output raises instead."""
         if not self._runtime.exposes_full_params:
             raise RuntimeError(
                 f"forward of FSDP unit '{self._label}' inside summon_full_params(rank0_only=True)"
                 f" on rank {dist.get_rank()}, which does not hold the full parameters; run the "
                 "forward on rank 0 only, or summon with rank0_only=False"
             )
-        return self._fsdp_wrapped_module(*args, **kwargs)
+        with torch.no_grad():
+            return fn(*args, **kwargs)
 
     @property
     def _label(self) -> str:

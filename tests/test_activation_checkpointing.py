@@ -130,7 +130,9 @@ def _probe_units(fsdp: nn.Module) -> list[Scaled]:
     return list(blocks)
 
 
-def _compare(model: nn.Module, fsdp: nn.Module, steps: int = 3) -> tuple[float, float]:
+def _compare(
+    model: nn.Module, fsdp: nn.Module, steps: int = 3, input_requires_grad: bool = False
+) -> tuple[float, float]:
     """Train ``model`` (a local reference) on the whole batch and ``fsdp`` on this rank's
     half with SGD; the largest gradient difference of step 1 and parameter difference at
     the end. Every checkpointed block's unit must be unsharded while its gradient is
@@ -143,8 +145,9 @@ def _compare(model: nn.Module, fsdp: nn.Module, steps: int = 3) -> tuple[float, 
     grad_diff = 0.0
     for step in range(steps):
         batch = torch.randn(4 * world, 8, generator=generator)
-        fsdp(batch.chunk(world)[rank]).square().mean().backward()
-        model(batch).square().mean().backward()
+        local = batch.chunk(world)[rank].clone().requires_grad_(input_requires_grad)
+        fsdp(local).square().mean().backward()
+        model(batch.clone().requires_grad_(input_requires_grad)).square().mean().backward()
         if step == 0:
             grad_diff = _grad_difference(model, fsdp)
         optim.step()
@@ -391,3 +394,78 @@ def test_transformers_gradient_checkpointing_matches_reference(
         2, _check_hf_gradient_checkpointing, use_reentrant, use_orig_params
     ):
         assert param_diff < TOLERANCE, param_diff
+
+
+def _unsharded_while_blocks_backward(impl: str, discard_first: bool) -> list[int]:
+    """How many units hold unsharded parameters as each block's gradient is computed, in a
+    step that follows (``discard_first``) a forward with grad on that is never
+    backpropagated (a validation loss logged without no_grad)."""
+    torch.manual_seed(0)
+    model = Net(Scaled)
+    fsdp = _wrap(model, {Scaled}, "FULL_SHARD")
+    apply_activation_checkpointing(
+        fsdp, checkpoint_wrapper_fn=_wrapper(impl), check_fn=lambda m: isinstance(m, Scaled)
+    )
+    units = [u for u in FSDP.fsdp_modules(fsdp) if u._handle is not None]
+    blocks = _probe_units(fsdp)
+    for block in blocks:
+        block.probe = lambda: str(sum(u._handle.state.name != "SHARDED" for u in units))
+    x = torch.randn(4, 8)
+    fsdp(x).sum().backward()  # a first step
+    if discard_first:
+        fsdp(x).sum()  # grad on, never backpropagated
+    for block in blocks:
+        block.observed.clear()
+    fsdp(x).sum().backward()
+    return [int(count) for block in blocks for count in block.observed]
+
+
+@pytest.mark.parametrize("discard_first", [False, True], ids=["plain", "after_discarded"])
+@pytest.mark.parametrize("impl", ["REENTRANT", "NO_REENTRANT"])
+def test_forward_without_backward_does_not_delay_resharding(impl: str, discard_first: bool) -> None:
+    """Installments are counted for the backward in progress: a forward that was never
+    backpropagated leaves nothing behind, so units still reshard as their backward ends (at
+    most the root, the unit computing and the prefetched one are unsharded)."""
+    for counts in run_on_ranks(2, _unsharded_while_blocks_backward, impl, discard_first):
+        assert len(counts) == 3 and max(counts) <= 3, counts
+
+
+class NestedBlock(Scaled):
+    """A ``Scaled`` that the wrap policy makes a unit of its own."""
+
+
+class RegionBeforeUnit(nn.Module):
+    """The root computes, then runs a reentrant region, then a nested unit: the root's
+    gradient arrives from the region's backward and from its own graph's first layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.mid = Scaled()
+        self.block = NestedBlock()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(self.mid, self.pre(x), use_reentrant=True)
+        return self.head(self.block(h))
+
+
+def _check_region_before_unit(strategy: str) -> tuple[float, float]:
+    torch.manual_seed(0)
+    model = RegionBeforeUnit()
+    fsdp = FSDP(
+        copy.deepcopy(model),
+        auto_wrap_policy=ModuleWrapPolicy({NestedBlock}),
+        sharding_strategy=ShardingStrategy[strategy],
+        use_orig_params=True,
+    )
+    return _compare(model, fsdp, input_requires_grad=True)
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_reentrant_region_before_a_nested_unit_matches_reference(strategy: str) -> None:
+    """A reentrant region of the root before a nested unit: the root waits for both of its
+    gradient installments (it read freed parameters when the walk stopped at the nested
+    unit and missed the region)."""
+    for grad_diff, param_diff in run_on_ranks(2, _check_region_before_unit, strategy):
+        assert grad_diff < TOLERANCE and param_diff < TOLERANCE, (grad_diff, param_diff)

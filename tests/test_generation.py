@@ -71,6 +71,9 @@ def _check_forward_in_summon(use_orig_params: bool, recurse: bool) -> float:
         expected = reference(x)
         worst = max(worst, (inner - expected).abs().max().item())
         worst = max(worst, (outer - expected).abs().max().item())
+    with FSDP.summon_full_params(fsdp, writeback=False):
+        # Gradients of summoned parameters would be dropped at exit: no graph is built.
+        assert not fsdp(x).requires_grad
     _train_step(fsdp)  # and training still works
     return worst
 
@@ -156,15 +159,17 @@ def _check_generate(use_orig_params: bool) -> list[list[int]]:
     direct = fsdp.generate(prompt, **settings)  # on the wrapped model
     with FSDP.summon_full_params(fsdp, writeback=False):
         summoned = fsdp.module.generate(prompt, **settings)  # on the inner model
+        wrapped_in_summon = fsdp.generate(prompt, **settings)  # on the wrapped model
     assert torch.equal(direct, expected), (direct, expected)
     assert torch.equal(summoned, expected), (summoned, expected)
+    assert torch.equal(wrapped_in_summon, expected), (wrapped_in_summon, expected)
     return direct.tolist()
 
 
 @pytest.mark.parametrize("use_orig_params", [True, False], ids=["orig_params", "flat_params"])
 def test_generate_matches_local_model(use_orig_params: bool) -> None:
-    """transformers' generate, called on the wrapped model or on the inner model inside
-    summon_full_params, gives the tokens the unwrapped model gives."""
+    """transformers' generate, called on the wrapped model (also inside summon_full_params)
+    or on the inner model inside summon_full_params, gives the unwrapped model's tokens."""
     pytest.importorskip("transformers")
     tokens = run_on_ranks(2, _check_generate, use_orig_params)
     assert tokens[0] == tokens[1]
