@@ -212,8 +212,11 @@ def input_nodes(inputs: list[torch.Tensor]) -> list[torch.autograd.graph.Node]:
 
 
 def will_run(node: torch.autograd.graph.Node) -> bool:
-    """Whether the backward in progress executes ``node`` (called from a backward hook)."""
-    return bool(torch._C._will_engine_execute_node(node))
+    """Whether the backward in progress executes ``node`` (called from a backward hook).
+    Where torch lacks the query, every node counts: a reshard may then wait for the end of
+    backward, never come too early."""
+    query = getattr(torch._C, "_will_engine_execute_node", None)
+    return True if query is None else bool(query(node))
 
 
 def autograd_sequence_nr() -> int:
@@ -508,6 +511,7 @@ class UnitRuntime:
             handle.reshard()
 
     def _pre_backward_hook(self, record: ForwardRecord, grad: torch.Tensor) -> None:
+        # ``record`` is unused here: the hook holds it so it lives as long as the graph.
         self.pre_backward()
 
     @eager
