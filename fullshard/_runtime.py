@@ -290,6 +290,9 @@ class RootState:
         self.forward_order = []
         self._forward_ranges = {}
 
+    def forget_forward_ranges(self) -> None:
+        self._forward_ranges = {}
+
     @property
     def forward_ranges(self) -> NestedForwards:
         """This thread's ``NestedForwards``."""
@@ -454,6 +457,8 @@ class UnitRuntime:
             record = self._record_forward(inputs, requires_grad)
             for tensor in requires_grad:
                 tensor.register_hook(functools.partial(self._pre_backward_hook, record))
+        if self.is_root:  # every unit's walk is done: drop the nodes the ranges hold
+            self.root.forget_forward_ranges()
         if handle is not None and (
             not will_backward or (self.reshard_after_forward and not self.is_root)
         ):
