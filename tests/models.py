@@ -39,6 +39,7 @@ __all__ = [
     "TransformerWithSharedParams",
     "input_generator",
     "nested_wrap",
+    "tiny_llama",
     "transformer_layer_classes",
 ]
 
@@ -330,3 +331,20 @@ class DummyProcessGroup:
     barrier = allreduce
     _allgather_base = allreduce
     _reduce_scatter_base = allreduce
+
+
+def tiny_llama() -> nn.Module:
+    """A transformers Llama built from a config (random weights, nothing downloaded): 2
+    decoder layers of width 32, a 64-token vocabulary."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(config)

@@ -34,6 +34,7 @@ from fullshard import FullyShardedDataParallel as FSDP
 from fullshard import ShardingStrategy
 from fullshard.wrap import ModuleWrapPolicy
 from harness import run_on_ranks
+from models import tiny_llama
 
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 TOLERANCE = 1e-5
@@ -150,13 +151,16 @@ def _compare(
         model(batch.clone().requires_grad_(input_requires_grad)).square().mean().backward()
         if step == 0:
             grad_diff = _grad_difference(model, fsdp)
-        optim.step()
-        optim.zero_grad()
-        ref_optim.step()
-        ref_optim.zero_grad()
+        _step(optim, ref_optim)
     observed = [state for block in blocks for state in block.observed]
     assert set(observed) == ({"UNSHARDED"} if blocks else set()), observed
     return grad_diff, _param_difference(model, fsdp)
+
+
+def _step(*optims: torch.optim.Optimizer) -> None:
+    for optim in optims:
+        optim.step()
+        optim.zero_grad()
 
 
 def _grad_difference(model: nn.Module, fsdp: nn.Module) -> float:
@@ -322,9 +326,7 @@ def _check_use_orig_params_false(impl: str, strategy: str) -> float:
         batch = torch.randn(4 * world, 8, generator=generator)
         fsdp(batch.chunk(world)[rank]).square().mean().backward()
         model(batch).square().mean().backward()
-        for opt in (optim, ref_optim):
-            opt.step()
-            opt.zero_grad()
+        _step(optim, ref_optim)
     return _param_difference(model, fsdp)
 
 
@@ -336,27 +338,12 @@ def test_checkpointing_with_flat_parameters_matches_reference(impl: str, strateg
         assert param_diff < TOLERANCE, param_diff
 
 
-def _tiny_llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(config)
-
-
 def _check_hf_gradient_checkpointing(use_reentrant: bool, use_orig_params: bool) -> float:
     """transformers' gradient_checkpointing_enable on a Llama built from a config."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     torch.manual_seed(0)
-    model = _tiny_llama()
+    model = tiny_llama()
     fsdp_model = copy.deepcopy(model)
     kwargs = {"use_reentrant": use_reentrant}
     for target in (model, fsdp_model):
@@ -376,9 +363,7 @@ def _check_hf_gradient_checkpointing(use_reentrant: bool, use_orig_params: bool)
         local = tokens.chunk(world)[rank]
         fsdp(input_ids=local, labels=local).loss.backward()
         model(input_ids=tokens, labels=tokens).loss.backward()
-        for opt in (optim, ref_optim):
-            opt.step()
-            opt.zero_grad()
+        _step(optim, ref_optim)
     return _param_difference(model, fsdp)
 
 

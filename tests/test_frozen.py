@@ -317,6 +317,13 @@ def _train(fsdp: FSDP, optim: torch.optim.Optimizer, steps: range) -> None:
         optim.zero_grad(set_to_none=True)
 
 
+def _assert_same_full_values(resumed: FSDP, original: FSDP) -> None:
+    """Every full parameter of ``resumed`` equals ``original``'s, bit for bit."""
+    resumed_values, original_values = _full_values(resumed), _full_values(original)
+    for fqn, value in original_values.items():
+        torch.testing.assert_close(resumed_values[fqn], value, rtol=0, atol=0, msg=fqn)
+
+
 def _full_values(fsdp: FSDP) -> dict[str, Tensor]:
     with FSDP.summon_full_params(fsdp):
         return {fqn: p.detach().clone() for fqn, p in fsdp.named_parameters()}
@@ -453,9 +460,7 @@ def _optim_state_dict_round_trip(kind: str, use_orig_params: bool) -> None:
     fresh_optim.load_state_dict(loadable)
     _train(fsdp, optim, range(2, 3))
     _train(fresh, fresh_optim, range(2, 3))
-    resumed, original = _full_values(fresh), _full_values(fsdp)
-    for fqn, value in original.items():
-        torch.testing.assert_close(resumed[fqn], value, rtol=0, atol=0, msg=fqn)
+    _assert_same_full_values(fresh, fsdp)
 
 
 @each_use_orig_params
@@ -498,9 +503,7 @@ def _checkpoint_resume(path: str, use_orig_params: bool) -> None:
     assert ckpt.load(path, fresh, fresh_optim) == {"step": 2}
     _train(fsdp, optim, range(2, 4))
     _train(fresh, fresh_optim, range(2, 4))
-    resumed, original = _full_values(fresh), _full_values(fsdp)
-    for fqn, value in original.items():
-        torch.testing.assert_close(resumed[fqn], value, rtol=0, atol=0, msg=fqn)
+    _assert_same_full_values(fresh, fsdp)
 
 
 @each_use_orig_params

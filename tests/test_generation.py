@@ -19,6 +19,7 @@ from torch import nn
 from fullshard import FullyShardedDataParallel as FSDP
 from fullshard.wrap import ModuleWrapPolicy
 from harness import run_on_ranks
+from models import tiny_llama
 
 
 class Block(nn.Module):
@@ -128,26 +129,11 @@ def test_forward_inside_rank0_only_summon_raises_on_other_ranks() -> None:
     assert "(root)" in results[1] and "rank 1" in results[1]
 
 
-def _tiny_llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
 def _check_generate(use_orig_params: bool) -> list[list[int]]:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     torch.manual_seed(0)
-    model = _tiny_llama()
+    model = tiny_llama().eval()
     fsdp = FSDP(
         copy.deepcopy(model),
         auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
