@@ -103,6 +103,8 @@ class FlatSegment:
         self.pieces: tuple[ShardPiece | None, ...] = layout.shard_pieces(self._shard_rank)
         """Per slot, its piece of this rank's shard (None where it has none)."""
         self.requires_grad = all(slot.requires_grad for slot in layout.slots)
+        """Whether the segment trains: its parameters' flag at wrapping, then whatever
+        ``set_requires_grad`` adopted."""
         self.flat_param: FlatParameter = self._make_flat_param(params)
         self._post_backward_hook: Callable[[], None] | None = None
         self._compute: Unsharded = self._make_unsharded(compute_dtype)
@@ -174,12 +176,16 @@ class FlatSegment:
         leaf.set_(source.untyped_storage(), source.storage_offset(), (self.layout.numel,), (1,))
         if not aliases_shard:
             padded.untyped_storage().resize_(0)
-        leaf.requires_grad_(self.flat_param.requires_grad)
-        hook = None
-        if self._post_backward_hook is not None and leaf.requires_grad:
-            callback = self._post_backward_hook
-            hook = leaf.register_post_accumulate_grad_hook(lambda _: callback())
-        return Unsharded(padded, leaf, aliases_shard, hook)
+        leaf.requires_grad_(self.requires_grad)
+        unsharded = Unsharded(padded, leaf, aliases_shard, None)
+        self._hook_leaf(unsharded)
+        return unsharded
+
+    def _hook_leaf(self, unsharded: Unsharded) -> None:
+        """Register the post-backward hook on a leaf that requires grad and has none yet."""
+        hook = self._post_backward_hook
+        if hook is not None and unsharded.leaf.requires_grad and unsharded.hook is None:
+            unsharded.hook = unsharded.leaf.register_post_accumulate_grad_hook(lambda _: hook())
 
     def buffers(self) -> list[Unsharded]:
         """The unsharded buffers built so far (compute dtype, then full precision)."""
@@ -200,9 +206,17 @@ class FlatSegment:
         """Call ``hook`` each time autograd has accumulated a trainable leaf's gradient."""
         self._post_backward_hook = hook
         for unsharded in self.buffers():
-            leaf = unsharded.leaf
-            if leaf.requires_grad:
-                unsharded.hook = leaf.register_post_accumulate_grad_hook(lambda _: hook())
+            self._hook_leaf(unsharded)
+
+    def set_requires_grad(self, requires_grad: bool) -> None:
+        """Train (or freeze) the whole segment from the next forward on: its flat parameter
+        and leaves follow, and a leaf that starts to require grad gets the post-backward
+        hook (see [Note: requires_grad changed after wrapping] in flat_param.py)."""
+        self.requires_grad = requires_grad
+        self.flat_param.requires_grad_(requires_grad)
+        for unsharded in self.buffers():
+            unsharded.leaf.requires_grad_(requires_grad)
+            self._hook_leaf(unsharded)
 
     def check_adoptable(self, converted: torch.Tensor, label: str) -> None:
         """The flat parameter keeps its identity (optimizers hold it), so a conversion must

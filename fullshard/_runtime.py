@@ -285,6 +285,9 @@ class RootState:
         None before the first forward casts them."""
 
     def begin_forward(self) -> None:
+        for unit in self.units:
+            if unit.handle is not None:
+                unit.handle.sync_requires_grad()
         if self.forward_order:
             self.previous_forward_order = self.forward_order
         self.forward_order = []
@@ -354,9 +357,6 @@ class RootState:
         for unit in self.units:
             unit.finish_backward()
         self.end_of_backward_queued = False
-        for unit in self.units:  # once every unit is back to IDLE
-            if unit.handle is not None:
-                unit.handle.check_requires_grad_unchanged()
 
 
 class UnitRuntime:

@@ -79,6 +79,22 @@ _FSDP_USE_UNSAFE_SETATTR = "FSDP_USE_UNSAFE_SETATTR"
 # (`has_frozen_segment`; see [Note: resharding units with frozen parameters] in _runtime.py).
 
 
+# [Note: requires_grad changed after wrapping]
+# Users freeze parts of a wrapped model (`for p in model.trunk.parameters(): p.requires_grad =
+# False`, on the FlatParameter or, with use_orig_params, on the original parameters) and
+# unfreeze them later (staged fine-tuning). As torch does, the root's pre-forward re-reads the
+# flags of every unit (`sync_requires_grad`): a segment trains iff its flat parameter requires
+# grad (use_orig_params=False) or any of its original parameters does (True); its leaves
+# follow, so a frozen segment's views carry no autograd history and it gets no gradient, no
+# reduce-scatter and no `.grad`. With use_orig_params, an original parameter that does not
+# require grad gets no `.grad` even when the rest of its segment trains (its elements are
+# still computed and reduced with the segment's, as in torch). The one change that cannot be
+# honoured is unfreezing the frozen segment of a unit that was mixed at wrapping (see [Note:
+# frozen parameters]): it has no gradient path, so the forward raises instead of silently
+# never training it. A change made between a forward and its backward applies from the next
+# forward, as in torch.
+
+
 class HandleState(enum.Enum):
     """Where a unit's parameters are materialised."""
 
@@ -516,29 +532,33 @@ class FlatParamHandle:
         self._post_backward_hook = hook
         self._segments[0].set_post_backward_hook(hook)
 
-    def check_requires_grad_unchanged(self) -> None:
-        """Raise if ``requires_grad`` changed after wrapping: which parameters train is fixed
-        when the unit is built (frozen and trainable ones are flattened apart, and only the
-        trainable segment's leaf gets a gradient), so a parameter frozen later would keep
-        training and one unfrozen later would silently never train. Checked after backward:
-        freezing a wrapped model for inference stays allowed."""
-        changed: list[str] = []
-        if self._use_orig_params:
-            for index, param in enumerate(self._orig_params):
-                if param.requires_grad != self.slot(index).requires_grad:
-                    changed.append(f"{self.slot(index).fqn} (now {param.requires_grad})")
-        else:
-            for segment in self._segments:
-                if segment.flat_param.requires_grad != segment.requires_grad:
-                    fqns = ", ".join(slot.fqn for slot in segment.layout.slots)
-                    now = segment.flat_param.requires_grad
-                    changed.append(f"the flat parameter of {fqns} (now {now})")
-        if changed:
-            raise RuntimeError(
-                f"requires_grad changed after FullyShardedDataParallel wrapped FSDP unit "
-                f"'{self.label}': {', '.join(changed)}. FSDP fixes which parameters train when "
-                "it wraps the model; set requires_grad (freeze or unfreeze) before wrapping"
-            )
+    def sync_requires_grad(self) -> None:
+        """At the root's pre-forward: adopt ``requires_grad`` changes made since the last
+        forward (see [Note: requires_grad changed after wrapping])."""
+        for position, segment in enumerate(self._segments):
+            if self._use_orig_params:
+                params = [self._orig_params[index] for index in segment.indices]
+                wanted = any(param.requires_grad for param in params)
+            else:
+                wanted = segment.flat_param.requires_grad
+            if wanted == segment.requires_grad:
+                continue
+            if position > 0:
+                if self._use_orig_params:
+                    fqns = [
+                        self.slot(i).fqn for i, p in zip(segment.indices, params) if p.requires_grad
+                    ]
+                    what = ", ".join(fqns)
+                else:
+                    what = "the frozen flat parameter (_frozen_flat_param)"
+                raise RuntimeError(
+                    f"FSDP unit '{self.label}': {what} now require(s) grad, but were frozen "
+                    "when FullyShardedDataParallel wrapped the unit alongside trainable "
+                    "parameters, so they were flattened apart and get no gradient. Unfreeze "
+                    "them before wrapping, or give them an FSDP unit of their own "
+                    "(auto_wrap_policy)"
+                )
+            segment.set_requires_grad(wanted)
 
     def has_unsharded_grad(self) -> bool:
         return any(u.leaf.grad is not None for u in self._segments[0].buffers())
@@ -659,7 +679,7 @@ class FlatParamHandle:
         any_kept = False
         segment = self._segments[0]
         for index, view in zip(segment.indices, segment.sharded_piece_views(flat_grad)):
-            if not self.slot(index).requires_grad or view.numel() == 0:
+            if not self._orig_params[index].requires_grad or view.numel() == 0:
                 continue
             grad = self._orig_params[index].grad
             if grad is None:
@@ -674,15 +694,16 @@ class FlatParamHandle:
     def _use_sharded_grad_views(self) -> None:
         """``use_orig_params``: each original ``.grad`` views its piece of the sharded grad.
 
-        Parameters with no piece on this rank (or frozen ones) have no gradient, as in torch.
+        Parameters with no piece on this rank, or that do not require grad now, have no
+        gradient, as in torch.
         """
         grads: dict[int, torch.Tensor] = {}
         flat_grad = self.flat_param.grad
         if flat_grad is not None:
             segment = self._segments[0]
             for index, view in zip(segment.indices, segment.sharded_piece_views(flat_grad)):
-                slot = self.slot(index)
-                if slot.requires_grad and (view.numel() > 0 or slot.numel == 0):
+                trains = self._orig_params[index].requires_grad
+                if trains and (view.numel() > 0 or self.slot(index).numel == 0):
                     grads[index] = view
         for index, param in enumerate(self._orig_params):
             _assign_grad(param, grads.get(index))
@@ -726,7 +747,8 @@ class FlatParamHandle:
             source = flat_grad.to(self.device)
             comm.all_gather_into(full_grad, source, self.groups.shard, self.label).wait()
         for index, view in zip(segment.indices, segment.views_of_flat(full_grad)):
-            _assign_grad(self._orig_params[index], view if self.slot(index).requires_grad else None)
+            param = self._orig_params[index]
+            _assign_grad(param, view if param.requires_grad else None)
 
     def hide_unsharded_params(self, writeback: bool) -> None:
         """Undo ``expose_unsharded_params``; with ``writeback`` keep edits made to them.

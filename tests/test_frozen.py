@@ -714,26 +714,125 @@ def test_units_with_frozen_parameters_reshard_during_backward(
         assert max(counts) <= 4, counts
 
 
-def _change_requires_grad_after_wrapping(use_orig_params: bool, freeze: bool) -> str:
-    torch.manual_seed(0)
+class _TrunkHead(nn.Module):
+    """A trunk and a head: the model users freeze part of (``model.trunk``) after wrapping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Sequential(nn.Linear(7, 16), nn.ReLU(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.trunk(x)))
+
+
+def _set_requires_grad(trunk: nn.Module, requires_grad: bool) -> None:
+    for param in trunk.parameters():  # FlatParameters, or the original parameters
+        param.requires_grad = requires_grad
+
+
+def _freeze_after_wrapping(strategy: str, use_orig_params: bool) -> None:
+    """Train 6 SGD steps (momentum) with the trunk frozen after step 2 and unfrozen after
+    step 4, all by setting requires_grad on the wrapped model; a local model doing the same
+    on the same batch (every rank sees it, so FSDP's average is the local gradient) must
+    end with the same parameters and the same gradients at every step."""
+    local = _TrunkHead()
+    model = _TrunkHead()
+    kwargs: dict[str, Any] = {
+        "sharding_strategy": ShardingStrategy[strategy],
+        "use_orig_params": use_orig_params,
+    }
+    model.trunk = FSDP(model.trunk, **kwargs)  # type: ignore[assignment]
+    model.head = FSDP(model.head, **kwargs)  # type: ignore[assignment]
+    fsdp = FSDP(model, **kwargs)
+    schedule = {2: False, 4: True}  # step -> the trunk's requires_grad from that step on
+    optims: list[torch.optim.Optimizer] = []
+    for step in range(6):
+        if step in schedule:
+            _set_requires_grad(local.trunk, schedule[step])
+            _set_requires_grad(model.trunk, schedule[step])
+        if step == 2:  # built after freezing, over every parameter, as users do
+            optims = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (local, fsdp)]
+        x = _input(0, step)
+        for m in (local, fsdp):
+            loss = (m(x) ** 2).sum()
+            loss.backward()
+        trunk_grads = [p.grad for p in model.trunk.parameters()]
+        if step in (2, 3):
+            assert all(g is None for g in trunk_grads), f"step {step}: a frozen trunk got grads"
+        else:
+            assert any(g is not None for g in trunk_grads), f"step {step}: no trunk grads"
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+        if not optims:
+            for m in (local, fsdp):
+                m.zero_grad()
+        with FSDP.summon_full_params(fsdp):
+            for (name, mine), theirs in zip(fsdp.named_parameters(), local.parameters()):
+                torch.testing.assert_close(mine, theirs, msg=f"step {step}: {name}")
+
+
+@pytest.mark.parametrize("strategy", FLAT)
+@each_use_orig_params
+def test_freezing_after_wrapping_is_honoured(strategy: str, use_orig_params: bool) -> None:
+    """``requires_grad`` set on a wrapped unit's parameters (its FlatParameter, or with
+    use_orig_params the original ones) after wrapping freezes and unfreezes it from the next
+    forward on, as on the plain model (before: ignored, the frozen trunk kept training)."""
+    run_on_ranks(2, _freeze_after_wrapping, strategy, use_orig_params)
+
+
+@pytest.mark.parametrize("strategy", HYBRID)
+@each_use_orig_params
+def test_freezing_after_wrapping_is_honoured_hybrid(strategy: str, use_orig_params: bool) -> None:
+    """As above, sharded over pairs of 4 ranks and replicated across the pairs."""
+    run_on_ranks(4, _freeze_after_wrapping, strategy, use_orig_params, env=HYBRID_ENV, timeout=240)
+
+
+def _freeze_one_original_parameter() -> None:
+    """use_orig_params: freezing one parameter of a unit that keeps training leaves it with
+    no gradient and unchanged by the optimizer, as on the plain model."""
+    local = _TrunkHead()
+    fsdp = FSDP(_TrunkHead(), use_orig_params=True)
+    fsdp.module.trunk[0].bias.requires_grad_(False)
+    local.trunk[0].bias.requires_grad_(False)
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (local, fsdp)]
+    for step in range(2):
+        for m, optim in zip((local, fsdp), optims):
+            (m(_input(0, step)) ** 2).sum().backward()
+            optim.step()
+        assert fsdp.module.trunk[0].bias.grad is None
+        for optim in optims:
+            optim.zero_grad()
+    with FSDP.summon_full_params(fsdp):
+        for (name, mine), theirs in zip(fsdp.named_parameters(), local.parameters()):
+            torch.testing.assert_close(mine, theirs, msg=name)
+
+
+def test_freezing_one_original_parameter_after_wrapping() -> None:
+    """One frozen parameter inside a trainable unit (use_orig_params): no gradient, no update."""
+    run_on_ranks(2, _freeze_one_original_parameter)
+
+
+def _unfreeze_frozen_segment(use_orig_params: bool) -> str:
     fsdp = _wrap(LoRAStack(), "FULL_SHARD", use_orig_params)
     x = _input(dist.get_rank(), 0)
     fsdp(x).sum().backward()  # one step as wrapped
     for param in fsdp.parameters():
-        param.requires_grad_(not freeze)
-    fsdp(x).sum()  # a forward with no backward (inference with grad on): allowed
-    with pytest.raises(RuntimeError, match="requires_grad changed after") as error:
-        fsdp(x).sum().backward()
+        param.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="now require") as error:
+        fsdp(x)
     return str(error.value)
 
 
-@pytest.mark.parametrize("freeze", [True, False], ids=["frozen_later", "unfrozen_later"])
 @each_use_orig_params
-def test_requires_grad_changed_after_wrapping_raises_at_backward(
-    use_orig_params: bool, freeze: bool
-) -> None:
-    """Freezing (or unfreezing) parameters after wrapping would silently keep training them
-    (or never train them): the backward that would do so raises, naming them."""
-    for message in run_on_ranks(2, _change_requires_grad_after_wrapping, use_orig_params, freeze):
-        assert "set requires_grad (freeze or unfreeze) before wrapping" in message
-        assert "FSDP unit '(root)'" in message
+def test_unfreezing_a_frozen_segment_after_wrapping_raises(use_orig_params: bool) -> None:
+    """The frozen parameters of a unit that mixed frozen and trainable ones at wrapping were
+    flattened apart and have no gradient path: unfreezing them raises at the next forward,
+    naming them, instead of silently never training them."""
+    for message in run_on_ranks(2, _unfreeze_frozen_segment, use_orig_params):
+        assert "Unfreeze them before wrapping" in message
+        assert "FSDP unit" in message
+        if use_orig_params:
+            assert "inp.weight" in message, message
