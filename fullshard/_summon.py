@@ -19,7 +19,7 @@ from .flat_param import FlatParamHandle, HandleState
 if TYPE_CHECKING:
     from .fully_sharded_data_parallel import FullyShardedDataParallel
 
-__all__: list[str] = []
+__all__ = ["SummonStateError", "UnsupportedSummonError"]
 
 
 def _units(module: nn.Module, recurse: bool) -> list[FullyShardedDataParallel]:
@@ -30,6 +30,16 @@ def _units(module: nn.Module, recurse: bool) -> list[FullyShardedDataParallel]:
     return list(FSDP.fsdp_modules(module, root_only=True))
 
 
+class UnsupportedSummonError(ValueError, NotImplementedError):
+    """An argument combination summon_full_params does not support. torch raises
+    NotImplementedError for these; fullshard raised ValueError before, so it is both."""
+
+
+class SummonStateError(RuntimeError, AssertionError):
+    """summon_full_params called where it cannot run (inside forward/backward, or inside
+    another summon of the same unit). torch raises AssertionError; also a RuntimeError."""
+
+
 def _validate(
     units: list[FullyShardedDataParallel],
     writeback: bool,
@@ -38,29 +48,41 @@ def _validate(
     with_grads: bool,
 ) -> None:
     if writeback and rank0_only:
-        raise ValueError(
+        raise UnsupportedSummonError(
             "writeback=True and rank0_only=True is not supported, as model parameter shapes "
             "will be different across ranks, and writing to them can lead to inconsistencies "
             "across ranks when the context is exited."
         )
     if with_grads and rank0_only:
-        raise ValueError(
+        raise UnsupportedSummonError(
             "summon_full_params(with_grads=True, rank0_only=True) is not supported: gather "
             "gradients on every rank (rank0_only=False)"
         )
     for unit in units:
-        if with_grads and not unit._use_orig_params:
-            raise ValueError(
-                "summon_full_params(with_grads=True) is only supported with "
-                "use_orig_params=True; construct FullyShardedDataParallel with it"
+        if with_grads and (offload_to_cpu or not unit._use_orig_params):
+            raise UnsupportedSummonError(
+                f"summon_full_params(with_grads=True) with use_orig_params="
+                f"{unit._use_orig_params}, offload_to_cpu={offload_to_cpu} is not supported: "
+                "construct FullyShardedDataParallel with use_orig_params=True and leave "
+                "offload_to_cpu=False"
             )
         runtime = unit._runtime
         if runtime.training_state == TrainingState.SUMMON_FULL_PARAMS:
-            raise RuntimeError("summon_full_params is already active on this module")
+            raise SummonStateError(
+                "Cannot manually unshard parameters when already unsharding parameters: "
+                f"summon_full_params is already active on FSDP unit '{unit._label}'"
+            )
         if runtime.training_state != TrainingState.IDLE:
-            raise RuntimeError(
+            raise SummonStateError(
                 "Cannot manually unshard parameters during forward/backward: call "
                 "summon_full_params outside the model's forward and backward"
+            )
+        handle = unit._handle
+        if offload_to_cpu and handle is not None and not handle.uses_sharded_strategy:
+            raise UnsupportedSummonError(
+                f"offload_to_cpu=True and NO_SHARD is not supported (FSDP unit "
+                f"'{unit._label}'): its parameters are already full on every rank; leave "
+                "offload_to_cpu=False"
             )
         if offload_to_cpu and unit.compute_device.type != "cpu":
             raise NotImplementedError(

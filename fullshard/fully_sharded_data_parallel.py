@@ -897,10 +897,45 @@ class FullyShardedDataParallel(nn.Module):
         return [unit for unit in units if id(unit) not in nested]
 
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
-        """``nn.Module.apply`` with full parameters visible (edits are written back)."""
-        with FullyShardedDataParallel.summon_full_params(self, writeback=True):
+        """``nn.Module.apply`` with full parameters visible (edits are written back).
+
+        Each unit exposes only its own parameters while ``fn`` runs over its modules; nested
+        units do the same in their own ``apply``, which ``nn.Module.apply`` reaches as it
+        recurses (as in torch)."""
+        self._assert_state(TrainingState.IDLE)
+        with FullyShardedDataParallel.summon_full_params(self, recurse=False, writeback=True):
             super().apply(fn)
         return self
+
+    # -- torch's read-only attributes ------------------------------------------------------
+    # What torch's test harness (common_fsdp) and users' code read from a wrapper.
+
+    @property
+    def backward_prefetch(self) -> BackwardPrefetch | None:
+        return self._settings.backward_prefetch
+
+    @property
+    def forward_prefetch(self) -> bool:
+        return self._settings.forward_prefetch
+
+    @property
+    def params(self) -> list[FlatParameter]:
+        """torch's list of this unit's flat parameters (empty for a unit with none)."""
+        return self._handle.flat_params if self._handle is not None else []
+
+    @property
+    def training_state(self) -> TrainingState:
+        return self._runtime.training_state
+
+    def _assert_state(self, state: Any) -> None:
+        """Raise ``ValueError`` unless the unit is in ``state`` (one or a list; fullshard's or
+        torch's ``TrainingState``, compared by name), as torch's ``_assert_state``."""
+        states = state if isinstance(state, (list, tuple)) else [state]
+        if self.training_state.name not in {s.name for s in states}:
+            raise ValueError(
+                f"expected to be in states {list(states)} but current state is "
+                f"{self.training_state} (FSDP unit '{self._label}')"
+            )
 
     @contextlib.contextmanager
     def no_sync(self) -> Generator[None, None, None]:
