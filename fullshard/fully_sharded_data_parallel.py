@@ -251,12 +251,7 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError(
                 "the module is already a FullyShardedDataParallel instance; wrap it only once"
             )
-        if getattr(module, _WRAPPED_BY, None) is not None:
-            raise ValueError(
-                f"this {type(module).__qualname__} is already wrapped by another "
-                "FullyShardedDataParallel instance, which owns its parameters now; wrap each "
-                "module once and use that wrapper"
-            )
+        _supersede_previous_wrapper(module)
         settings = _resolve_settings(kwargs)
         _watch_optimizers()
         _dcp_state_dict.install_when_imported()  # torch's checkpoint API sees the units
@@ -286,7 +281,10 @@ class FullyShardedDataParallel(nn.Module):
         self, module: nn.Module, settings: _Settings, excluded_params: set[nn.Parameter]
     ) -> None:
         self._fsdp_wrapped_module = module
-        module.__dict__[_WRAPPED_BY] = True  # a plain attribute: no submodule, no state
+        # A plain attribute (no submodule, no state) that does not keep this unit alive.
+        module.__dict__[_WRAPPED_BY] = weakref.ref(self)
+        self._superseded = False
+        """Set when the module was wrapped again (see ``_supersede_previous_wrapper``)."""
         mixed_precision = settings.mixed_precision
         self._upcasts_for_class = mixed_precision is not None and isinstance(
             module, tuple(mixed_precision._module_classes_to_ignore)
@@ -436,6 +434,12 @@ class FullyShardedDataParallel(nn.Module):
         Returns the inputs to run with and, for classes that upcast under mixed precision,
         the dtype to cast the output back to."""
         runtime = self._runtime
+        if self._superseded:
+            raise RuntimeError(
+                f"this FullyShardedDataParallel wrapper of {type(self.module).__qualname__} was "
+                "superseded: the module was wrapped again by another FullyShardedDataParallel "
+                "instance, which now drives its nested units; use the new wrapper"
+            )
         if runtime.is_root is None:
             self._lazy_init()
         full_precision = self._forces_full_precision()
@@ -970,6 +974,25 @@ class FullyShardedDataParallel(nn.Module):
 
         with summon(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads):
             yield
+
+
+def _supersede_previous_wrapper(module: nn.Module) -> None:
+    """Wrapping a module again (e.g. a trained model for inference, with its nested units)
+    is allowed, as in torch, when its previous wrapper manages no parameters of its own: the
+    nested units keep theirs and follow the new root. The previous wrapper then refuses to
+    run. A previous wrapper holding parameters cannot be replaced (they live in its flat
+    parameter), so that is an error."""
+    previous_ref = module.__dict__.get(_WRAPPED_BY)
+    previous = previous_ref() if previous_ref is not None else None
+    if previous is None:
+        return
+    if previous._handle is not None:
+        raise ValueError(
+            f"this {type(module).__qualname__} is already wrapped by another "
+            "FullyShardedDataParallel instance, which owns its parameters now; wrap each "
+            "module once and use that wrapper"
+        )
+    previous._superseded = True
 
 
 def _cast_floating(dtype: torch.dtype, obj: Any) -> Any:

@@ -1,0 +1,128 @@
+"""Behaviours torch's own FSDP1 tests assert that fullshard differed on (issue 17).
+
+Each test here is ours, written from what torch's test files check (see
+docs/conformance.md for the files and the adapter that runs them against fullshard):
+``apply`` on nested units, re-wrapping a trained model, the attributes torch's harness reads
+from a wrapper. On 2 gloo ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp._common_utils import TrainingState as TorchTrainingState
+
+from fullshard import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from fullshard import FullyShardedDataParallel as FSDP
+from fullshard.flat_param import FlatParameter
+from fullshard.wrap import ModuleWrapPolicy
+from harness import run_on_ranks
+
+
+def _nested(**kwargs: Any) -> FSDP:
+    """A root unit with a parameter of its own over two Linear units."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4), nn.LayerNorm(4))
+    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), **kwargs)
+
+
+def _fill_linears(module: nn.Module) -> None:
+    if type(module) is nn.Linear:
+        with torch.no_grad():
+            module.weight.fill_(1.0)
+            module.bias.fill_(2.0)
+
+
+def _apply_on_nested_units(use_orig_params: bool) -> None:
+    model = _nested(use_orig_params=use_orig_params)
+    assert model.apply(_fill_linears) is model
+    with FSDP.summon_full_params(model):
+        linears = [m for m in model.modules() if type(m) is nn.Linear]
+        assert len(linears) == 2
+        for linear in linears:
+            assert torch.equal(linear.weight, torch.ones_like(linear.weight))
+            assert torch.equal(linear.bias, torch.full_like(linear.bias, 2.0))
+    with (
+        FSDP.summon_full_params(model),
+        pytest.raises(ValueError, match="expected to be in states"),
+    ):
+        model.apply(_fill_linears)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_apply_reaches_every_nested_unit(use_orig_params: bool) -> None:
+    """``apply`` edits the parameters of every nested unit in place (before: the nested
+    units' own ``apply`` found the root's summon active and raised); inside a summon it
+    raises torch's ValueError."""
+    run_on_ranks(2, _apply_on_nested_units, use_orig_params)
+
+
+class _Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(FSDP(nn.Linear(5, 5)), nn.ReLU(), FSDP(nn.Linear(5, 3)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def _rewrap_after_training() -> None:
+    inner = _Inner()
+    model = FSDP(inner)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        model(torch.randn(2, 5, generator=torch.Generator().manual_seed(step))).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    x = torch.randn(2, 5)
+    expected = model(x)
+    rewrapped = FSDP(inner)  # e.g. for inference
+    torch.testing.assert_close(rewrapped(x), expected)
+    rewrapped(x).sum().backward()  # the nested units follow the new root through backward
+    assert all(p.grad is not None for p in rewrapped.parameters())
+    with pytest.raises(RuntimeError, match="superseded"):
+        model(x)
+
+
+def test_rewrapping_a_trained_module_whose_wrapper_holds_no_parameters() -> None:
+    """Wrapping a trained model again (its nested units inside) works and gives the same
+    output; the old wrapper refuses to run instead of driving units it no longer roots."""
+    run_on_ranks(2, _rewrap_after_training)
+
+
+def _attributes() -> None:
+    mp = MixedPrecision(param_dtype=torch.float16)
+    model = _nested(
+        sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,
+        cpu_offload=CPUOffload(offload_params=True),
+        backward_prefetch=BackwardPrefetch.BACKWARD_POST,
+        forward_prefetch=True,
+        mixed_precision=mp,
+    )
+    for unit in FSDP.fsdp_modules(model):
+        assert unit.sharding_strategy == ShardingStrategy.SHARD_GRAD_OP
+        assert unit.cpu_offload == CPUOffload(offload_params=True)
+        assert unit.backward_prefetch == BackwardPrefetch.BACKWARD_POST
+        assert unit.forward_prefetch is True
+        assert unit.mixed_precision == mp
+        assert all(isinstance(p, FlatParameter) for p in unit.params)
+        assert len(unit.params) == 1  # every unit here has a parameter of its own
+        unit._assert_state(TorchTrainingState.IDLE)  # torch's enum, as its harness passes
+        unit._assert_state([TorchTrainingState.IDLE, TorchTrainingState.FORWARD_BACKWARD])
+        with pytest.raises(ValueError, match="expected to be in states"):
+            unit._assert_state(TorchTrainingState.FORWARD_BACKWARD)
+    inner = FSDP.fsdp_modules(model)[1]
+    seen: list[str] = []
+    inner.module.register_forward_pre_hook(lambda *_: seen.append(inner.training_state.name))
+    model(torch.randn(2, 4))
+    assert seen == ["FORWARD_BACKWARD"]
+
+
+def test_torch_attributes_of_a_wrapper() -> None:
+    """What torch's harness and users read from a wrapper: the constructor's settings,
+    ``params`` (the unit's flat parameters) and ``_assert_state`` taking torch's enum."""
+    run_on_ranks(2, _attributes)
