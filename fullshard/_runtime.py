@@ -30,6 +30,7 @@ from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
 from ._compile import eager
+from ._exec_order import ExecOrderValidator, validation_enabled
 from .api import BackwardPrefetch, ShardingStrategy
 from .flat_param import FlatParamHandle, HandleState
 
@@ -273,6 +274,9 @@ class RootState:
         self.reductions_in_flight = reductions_in_flight(backward_prefetch)
         self.forward_order: list[UnitRuntime] = []
         """Units with parameters, in the order their forward first ran this step."""
+        self.exec_order = ExecOrderValidator(units)
+        """Used under TORCH_DISTRIBUTED_DEBUG=DETAIL only (see [Note: execution-order
+        validation] in _exec_order.py)."""
         self._forward_ranges: dict[int, NestedForwards] = {}
         """Per thread (autograd numbers nodes per thread), where each unit's forward is in
         autograd's sequence numbers, this step."""
@@ -284,7 +288,9 @@ class RootState:
         """Whether buffers are in their own dtype (True) or in ``buffer_dtype`` (False);
         None before the first forward casts them."""
 
-    def begin_forward(self) -> None:
+    def begin_forward(self, training: bool) -> None:
+        if training and validation_enabled():
+            self.exec_order.begin_iteration()
         for unit in self.units:
             if unit.handle is not None:
                 unit.handle.sync_requires_grad()
@@ -409,7 +415,7 @@ class UnitRuntime:
         )
 
     @eager
-    def pre_forward(self, full_precision: bool = False) -> None:
+    def pre_forward(self, full_precision: bool = False, training: bool = False) -> None:
         if self.in_backward():
             self._pre_recompute()
             return
@@ -417,7 +423,7 @@ class UnitRuntime:
         # checkpointing stops as soon as it has what backward needs).
         self.recomputing = False
         if self.is_root:
-            self.root.begin_forward()
+            self.root.begin_forward(training)
         self.training_state = TrainingState.FORWARD_BACKWARD
         self.handle_training_state = HandleTrainingState.FORWARD
         self.full_precision = full_precision
@@ -426,6 +432,8 @@ class UnitRuntime:
         if handle is None:
             return
         self.root.record_forward(self)
+        if training and validation_enabled():
+            self.root.exec_order.record(self)
         if handle.state != HandleState.SHARDED and not handle.unsharded_matches(full_precision):
             handle.reshard()  # kept from a forward in the other precision (train <-> eval)
         if handle.state == HandleState.SHARDED:

@@ -466,7 +466,7 @@ class FullyShardedDataParallel(nn.Module):
         if self._upcasts_for_class:
             input_dtype = _first_floating_dtype((args, kwargs))
             args, kwargs = _cast_floating(torch.float32, (args, kwargs))
-        runtime.pre_forward(full_precision)
+        runtime.pre_forward(full_precision, training=self.training)
         return args, kwargs, input_dtype
 
     @eager

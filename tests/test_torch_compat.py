@@ -8,10 +8,12 @@ from a wrapper. On 2 gloo ranks.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp._common_utils import TrainingState as TorchTrainingState
 
@@ -126,3 +128,71 @@ def test_torch_attributes_of_a_wrapper() -> None:
     """What torch's harness and users read from a wrapper: the constructor's settings,
     ``params`` (the unit's flat parameters) and ``_assert_state`` taking torch's enum."""
     run_on_ranks(2, _attributes)
+
+
+class _TwoPaths(nn.Module):
+    """layer0, then layer1 or layer2 (same number of elements): ranks taking different
+    paths would pair the two units' all-gathers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer0 = nn.Linear(5, 6)
+        self.layer1 = nn.Linear(6, 6, bias=False)
+        self.layer2 = nn.Sequential(nn.Linear(6, 3, bias=False), nn.Linear(3, 6, bias=False))
+        self.alt = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = torch.relu(self.layer0(x))
+        return (self.layer2 if self.alt else self.layer1)(z)
+
+
+def _two_paths() -> FSDP:
+    """On a group of its own: the mismatch leaves its transport failed for good."""
+    group = dist.new_group()
+    model = _TwoPaths()
+    model.layer1 = FSDP(model.layer1, process_group=group)  # type: ignore[assignment]
+    model.layer2 = FSDP(model.layer2, process_group=group)  # type: ignore[assignment]
+    return FSDP(model, process_group=group)
+
+
+def _exec_order(first_iteration: bool) -> list[str]:
+    """Under DETAIL, rank 1 takes the other path in the first or the second iteration."""
+    import fullshard._collectives as comm
+
+    previous = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        model = _two_paths()
+        x = torch.randn(4, 5)
+        if not first_iteration:
+            model(x).sum().backward()
+        model.module.alt = dist.get_rank() == 1
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            expected = RuntimeError if first_iteration else comm.CollectiveMismatchError
+            with pytest.raises(expected) as error:
+                model(x)
+        return [str(error.value)] + [str(w.message) for w in caught]
+    finally:
+        dist.set_debug_level(previous)
+
+
+def test_forward_order_differing_across_ranks_in_the_first_iteration_raises() -> None:
+    """torch's execution-order validation under TORCH_DISTRIBUTED_DEBUG=DETAIL: every rank
+    raises torch's text, naming the unit each rank was about to unshard."""
+    for message, *_ in run_on_ranks(2, _exec_order, True):
+        assert message.startswith("Forward order differs across ranks"), message
+        assert "rank 0: unit index 1 (layer1), rank 1: unit index 2 (layer2)" in message
+
+
+def test_forward_order_differing_from_the_first_iteration_warns_then_raises() -> None:
+    """Later iterations: the deviating rank gets torch's warning; where torch then pairs the
+    two units' all-gathers (a wrong result), fullshard's mismatch detection raises."""
+    results = run_on_ranks(2, _exec_order, False)
+    warned = [w for w in results[1][1:] if w.startswith("Forward order differs from")]
+    assert warned and "on rank 1" in warned[0], results[1]
+    assert not [w for w in results[0][1:] if w.startswith("Forward order differs")]
+    for rank, (message, *_) in enumerate(results):
+        assert "ran a different collective" in message, message
+        assert f"all-gather of module layer{rank + 1}" in message, message

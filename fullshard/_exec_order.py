@@ -1,0 +1,93 @@
+"""torch's forward execution-order validation, under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
+
+[Note: execution-order validation]
+Ranks must unshard units in the same order, or their all-gathers pair the wrong units. With
+the distributed debug level at DETAIL (``TORCH_DISTRIBUTED_DEBUG=DETAIL`` or
+``dist.set_debug_level``), torch's FSDP1 checks this in training forwards, and fullshard does
+the same with torch's texts:
+
+- first iteration: before each unit's all-gather, the ranks all-gather the unit's index and
+  raise ``RuntimeError("Forward order differs across ranks: ...")`` naming what every rank
+  was about to unshard;
+- later iterations: each rank compares its order with its own first iteration's and warns
+  once, ``"Forward order differs from that of the first iteration on rank R. ..."``. torch
+  then lets the mismatched all-gathers run (a wrong result, or a hang); fullshard's own
+  mismatch detection (see [Note: mismatch detection] in _collectives.py, and the shared-
+  memory transport's signatures) raises at the first collective that pairs different units.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from ._runtime import UnitRuntime
+
+__all__ = ["ExecOrderValidator", "validation_enabled"]
+
+
+def validation_enabled() -> bool:
+    return dist.is_initialized() and dist.get_debug_level() == dist.DebugLevel.DETAIL
+
+
+class ExecOrderValidator:
+    """Records the units' forward order per training iteration and checks it (see the Note)."""
+
+    def __init__(self, units: list[UnitRuntime]) -> None:
+        self._index = {id(unit): i for i, unit in enumerate(units)}
+        self._first: list[int] | None = None
+        """The first iteration's order (unit indices), once it is over."""
+        self._current: list[int] = []
+        self._warned = False
+
+    def begin_iteration(self) -> None:
+        if self._current and self._first is None:
+            self._first = self._current
+        self._current = []
+
+    def record(self, unit: UnitRuntime) -> None:
+        """Before ``unit``'s all-gather in a training forward."""
+        index = self._index[id(unit)]
+        position = len(self._current)
+        self._current.append(index)
+        if self._first is None:
+            self._check_across_ranks(unit, index)
+        elif not self._warned and (position >= len(self._first) or self._first[position] != index):
+            self._warned = True
+            expected = self._first[position] if position < len(self._first) else None
+            warnings.warn(
+                f"Forward order differs from that of the first iteration on rank "
+                f"{dist.get_rank()}. Collectives are checked by fullshard, which raises if "
+                f"ranks pair different units. Unit {position} of the forward is unit index "
+                f"{index} ({_label(unit)}), was unit index {expected} in the first iteration",
+                stacklevel=2,
+            )
+
+    def _check_across_ranks(self, unit: UnitRuntime, index: int) -> None:
+        handle = unit.handle
+        assert handle is not None
+        group = handle.groups.shard
+        size = dist.get_world_size(group)
+        mine = torch.tensor([index], dtype=torch.int64)
+        gathered = [torch.empty_like(mine) for _ in range(size)]
+        dist.all_gather(gathered, mine, group=group)
+        indices = [int(t.item()) for t in gathered]
+        if len(set(indices)) > 1:
+            names = {i: _label(u) for i, u in enumerate(unit.root.units)}
+            each = ", ".join(
+                f"rank {rank}: unit index {i} ({names.get(i, '?')})"
+                for rank, i in enumerate(indices)
+            )
+            raise RuntimeError(
+                f"Forward order differs across ranks: at unshard {len(self._current)} of "
+                f"the first iteration, {each}. Every rank must run the same FSDP units "
+                "in the same order (no rank-dependent control flow around wrapped modules)"
+            )
+
+
+def _label(unit: UnitRuntime) -> str:
+    return unit.handle.label if unit.handle is not None else "(no params)"
