@@ -34,17 +34,20 @@ class ShardingGroups:
     replicate: dist.ProcessGroup | None
     """Hybrid strategies all-reduce the sharded gradient over this group; else None."""
 
+    # The groups' own rank() and size(), not dist.get_rank(group): torch accepts any object
+    # with those two methods (its tests pass such stand-ins for wrapping without collectives).
+
     @property
     def shard_size(self) -> int:
-        return dist.get_world_size(self.shard)
+        return self.shard.size()
 
     @property
     def shard_rank(self) -> int:
-        return dist.get_rank(self.shard)
+        return self.shard.rank()
 
     @property
     def replicate_size(self) -> int:
-        return 1 if self.replicate is None else dist.get_world_size(self.replicate)
+        return 1 if self.replicate is None else self.replicate.size()
 
     @property
     def num_data_parallel_ranks(self) -> int:
@@ -128,8 +131,10 @@ def resolve_groups(
             return ShardingGroups(*_default_hybrid_groups())
         if not (isinstance(process_group, tuple) and len(process_group) == 2):
             raise ValueError(
-                f"{strategy} needs process_group=(shard_group, replicate_group), "
-                f"got {type(process_group).__name__}"
+                "Expected process_group to be passed in as either None or "
+                "Tuple[dist.ProcessGroup, dist.ProcessGroup] but got "
+                f"{type(process_group)}: {strategy} shards over the first group and "
+                "replicates over the second (None: shard within each node)"
             )
         return ShardingGroups(process_group[0], process_group[1])
     if isinstance(process_group, tuple):

@@ -144,6 +144,13 @@ _CONSTRUCTOR_OPTIONS = frozenset(
 )
 
 
+def _is_group_like(group: Any) -> bool:
+    """A ProcessGroup, a tuple, or (as torch accepts) any object with rank() and size()."""
+    if isinstance(group, (dist.ProcessGroup, tuple)):
+        return True
+    return callable(getattr(group, "rank", None)) and callable(getattr(group, "size", None))
+
+
 def _resolve_settings(kwargs: dict[str, Any]) -> _Settings:
     unknown = set(kwargs) - _CONSTRUCTOR_OPTIONS
     if unknown:
@@ -156,7 +163,7 @@ def _resolve_settings(kwargs: dict[str, Any]) -> _Settings:
     if not isinstance(strategy, ShardingStrategy):
         raise TypeError(f"sharding_strategy must be a fullshard.ShardingStrategy, got {strategy!r}")
     process_group, mesh = kwargs.get("process_group"), kwargs.get("device_mesh")
-    if process_group is not None and not isinstance(process_group, (dist.ProcessGroup, tuple)):
+    if process_group is not None and not _is_group_like(process_group):
         raise TypeError(
             "process_group must be a torch.distributed.ProcessGroup (or, for hybrid "
             f"strategies, a (shard, replicate) tuple of them) or None, got {process_group!r}"
@@ -926,6 +933,12 @@ class FullyShardedDataParallel(nn.Module):
     def params(self) -> list[FlatParameter]:
         """torch's list of this unit's flat parameters (empty for a unit with none)."""
         return self._handle.flat_params if self._handle is not None else []
+
+    @property
+    def _inter_node_pg(self) -> Any:
+        """Hybrid strategies: the group the sharded gradient is all-reduced over (torch's
+        name); None otherwise."""
+        return self._settings.groups.replicate
 
     @property
     def training_state(self) -> TrainingState:

@@ -350,8 +350,10 @@ CONSTRUCTION: dict[str, Case] = {
             process_group=dist.group.WORLD,
         ),
         ValueError,
-        "ShardingStrategy.HYBRID_SHARD needs process_group=(shard_group, replicate_group), "
-        "got ProcessGroup",
+        "Expected process_group to be passed in as either None or Tuple[dist.ProcessGroup, "
+        "dist.ProcessGroup] but got <class 'torch.distributed.distributed_c10d.ProcessGroup'>: "
+        "ShardingStrategy.HYBRID_SHARD shards over the first group and replicates over the "
+        "second",
     ),
     "group_pair_without_hybrid_shard": (
         lambda: FSDP(_mlp(), process_group=(dist.group.WORLD, dist.group.WORLD)),

@@ -20,8 +20,9 @@ from torch.distributed.fsdp._common_utils import TrainingState as TorchTrainingS
 from fullshard import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from fullshard import FullyShardedDataParallel as FSDP
 from fullshard.flat_param import FlatParameter
-from fullshard.wrap import ModuleWrapPolicy
+from fullshard.wrap import ModuleWrapPolicy, enable_wrap, wrap
 from harness import run_on_ranks
+from models import DummyProcessGroup
 
 
 def _nested(**kwargs: Any) -> FSDP:
@@ -196,3 +197,33 @@ def test_forward_order_differing_from_the_first_iteration_warns_then_raises() ->
     for rank, (message, *_) in enumerate(results):
         assert "ran a different collective" in message, message
         assert f"all-gather of module layer{rank + 1}" in message, message
+
+
+def _duck_typed_group() -> tuple[int, int, bool]:
+    group = DummyProcessGroup(rank=0, size=2)
+    with enable_wrap(wrapper_cls=FSDP, process_group=dist.group.WORLD):
+        layer = wrap(nn.Linear(5, 5), process_group=group)
+    assert isinstance(layer, FSDP)
+    assert layer.params[0].numel() == 15  # rank 0's half of 30 elements
+    return layer.rank, layer.world_size, layer.process_group is group
+
+
+def test_a_duck_typed_process_group_is_accepted() -> None:
+    """Any object with ``rank()`` and ``size()`` is a process group for wrapping (torch's
+    wrap tests pass such a stand-in); before, ``dist.get_rank(group)`` refused it."""
+    assert run_on_ranks(2, _duck_typed_group) == [(0, 2, True)] * 2
+
+
+def _hybrid_groups() -> tuple[int, int, bool]:
+    model = _nested(sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+    units = FSDP.fsdp_modules(model)
+    same = len({id(u._inter_node_pg) for u in units}) == 1
+    same = same and len({id(u.process_group) for u in units}) == 1
+    return dist.get_world_size(units[0].process_group), units[0]._inter_node_pg.size(), same
+
+
+def test_hybrid_shard_without_groups_shards_within_the_node() -> None:
+    """HYBRID_SHARD with no process group: every unit shards over the ranks of this host
+    and replicates over a one-rank inter-node group, the same groups for all units (what
+    torch's hybrid tests read from ``process_group`` and ``_inter_node_pg``)."""
+    assert run_on_ranks(2, _hybrid_groups) == [(2, 1, True)] * 2
