@@ -118,6 +118,9 @@ class _PendingReduction:
     """The input, which must not be freed while the collective reads it."""
     postdivide: float
     """What the reduced gradient is divided by once the reduction is done."""
+    computed_dtype: torch.dtype
+    """The dtype autograd computed the unsharded gradient in (the forward's parameter dtype):
+    what ``keep_low_precision_grads`` keeps, as torch does."""
 
 
 RELEASED_FROM = "_fullshard_released_from"
@@ -576,6 +579,7 @@ class FlatParamHandle:
             self.finalize_grad()
         leaf.grad = None
         # A unit unsharded in full precision (eval) reduces in full precision too.
+        computed_dtype = grad.dtype
         ran_in_param_dtype = grad.dtype == self._fwd_bwd_param_dtype
         reduce_dtype = self._reduce_dtype if ran_in_param_dtype else grad.dtype
         num_dp_ranks = self.groups.num_data_parallel_ranks
@@ -589,7 +593,9 @@ class FlatParamHandle:
             if predivide > 1:
                 grad = grad.div_(predivide)
             work: comm.Pending = comm.all_reduce(grad, self.groups.shard, self.label)
-            self._pending_reduction = _PendingReduction(work, grad, grad, postdivide)
+            self._pending_reduction = _PendingReduction(
+                work, grad, grad, postdivide, computed_dtype
+            )
             return
         layout = self._segments[0].layout
         padding = layout.padded_numel - layout.numel
@@ -599,13 +605,14 @@ class FlatParamHandle:
         work = comm.reduce_scatter_into(
             sharded, grad, self.groups.shard, self.label, predivide=predivide
         )
-        self._pending_reduction = _PendingReduction(work, sharded, grad, postdivide)
+        self._pending_reduction = _PendingReduction(work, sharded, grad, postdivide, computed_dtype)
 
     def finalize_grad(self) -> None:
         """Wait for the reduction and accumulate it into the sharded gradient.
 
-        The result is cast to the parameters' dtype (unless ``keep_low_precision_grads``) and
-        moved to the shard's device (the CPU with parameter offload).
+        The result is cast to the parameters' dtype (with ``keep_low_precision_grads``, to
+        the dtype the forward computed in, ``param_dtype``, as torch does even when
+        ``reduce_dtype`` differs) and moved to the shard's device (the CPU with offload).
         """
         pending = self._pending_reduction
         if pending is None:
@@ -617,7 +624,7 @@ class FlatParamHandle:
             comm.all_reduce(reduced, self.groups.replicate, self.label).wait()
         if pending.postdivide > 1:
             reduced.div_(pending.postdivide)
-        dtype = reduced.dtype if self._keep_low_precision_grads else self._orig_param_dtype
+        dtype = pending.computed_dtype if self._keep_low_precision_grads else self._orig_param_dtype
         reduced = reduced.to(device=self._shard_device, dtype=dtype)
         self.sync_orig_grads()
         flat_grad = self.flat_param.grad

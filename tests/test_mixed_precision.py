@@ -164,8 +164,20 @@ def _handle_dtypes(mixed_precision: MixedPrecision, use_orig_params: bool) -> li
             ["float32", "bfloat16", "bfloat16", "bfloat16"],
         ),
         (MixedPrecision(reduce_dtype=BF16), ["float32", "float32", "bfloat16", "float32"]),
+        (  # torch keeps the gradient in param_dtype, not in reduce_dtype
+            MixedPrecision(
+                param_dtype=torch.float16, reduce_dtype=BF16, keep_low_precision_grads=True
+            ),
+            ["float32", "float16", "bfloat16", "float16"],
+        ),
     ],
-    ids=["param_only", "fp32_reduce", "keep_low_precision_grads", "reduce_only"],
+    ids=[
+        "param_only",
+        "fp32_reduce",
+        "keep_low_precision_grads",
+        "reduce_only",
+        "keep_low_precision_grads_other_reduce_dtype",
+    ],
 )
 def test_dtypes_resolve_as_torch(
     mixed_precision: MixedPrecision, expected: list[str], use_orig_params: bool
