@@ -35,6 +35,7 @@ LOCK = "/tmp/fullshard-ranks.lock"
 
 _ARGS = r"(?:[^()]|\([^()]*\))*"  # a call's arguments, with one level of nested parentheses
 _CUDA = r"[\"']cuda(?::\d+)?[\"']"  # the string "cuda" or "cuda:N"
+_CURRENT = r"torch\.(?:cuda\.current_device|accelerator\.current_device_index)\(\)"
 REWRITES: list[tuple[str, str, str]] = [
     # (pattern, replacement, what it does); applied in this order
     (
@@ -52,14 +53,24 @@ REWRITES: list[tuple[str, str, str]] = [
         'torch.device(rank) -> torch.device("cpu")',
     ),
     (
-        r"torch\.cuda\.current_device\(\)",
+        rf"torch\.device\(\s*[\w.]+\s*,\s*{_CURRENT}\)",
         'torch.device("cpu")',
-        'torch.cuda.current_device() -> torch.device("cpu") (used as device_id=)',
+        'torch.device(device_type, torch.accelerator.current_device_index()) -> torch.device("cpu")',
     ),
     (
-        rf"torch\.cuda\.(?:synchronize|set_device)\({_ARGS}\)",
+        _CURRENT,
+        'torch.device("cpu")',
+        'torch.cuda.current_device(), torch.accelerator.current_device_index() -> torch.device("cpu")',
+    ),
+    (
+        rf"torch\.(?:cuda|accelerator)\.(?:synchronize|set_device|set_device_index)\({_ARGS}\)",
         "None",
-        "torch.cuda.synchronize(...) / set_device(...) -> None",
+        "torch.cuda/accelerator.synchronize(...), set_device(...), set_device_index(...) -> None",
+    ),
+    (
+        r"(?:torch\.(?:cuda|accelerator)|_get_device_module\([^()]*\))\.device_count\(\)",
+        "2",
+        "torch.cuda/accelerator.device_count() -> 2 (the ranks; on CPU it is 0 or 1)",
     ),
     (
         r"torch\.cuda\.manual_seed\(",

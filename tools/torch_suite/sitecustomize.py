@@ -54,6 +54,14 @@ def _patch_common_device_type(m):
     m.instantiate_device_type_tests = instantiate_device_type_tests
 
 
+def _check_ranks(world_size):
+    # A test file's world_size property computed from the accelerator count can be 0 on CPU:
+    # no rank would run the test, and it would pass. Fail such tests instead.
+    if world_size < 1:
+        raise RuntimeError(f"world_size is {world_size}: no rank would run this test")
+    return world_size
+
+
 def _patch_common_fsdp(m):
     if (m.DEVICE_TYPE, m.DISTRIBUTED_BACKEND) != ("cpu", "gloo"):
         raise RuntimeError(f"torch_suite expects a CPU-only torch, got {m.DEVICE_TYPE}")
@@ -63,6 +71,20 @@ def _patch_common_fsdp(m):
     # FSDPTest._run is FSDPTestMixin._run without its `DEVICE_TYPE != "cpu"` guard on the
     # accelerator-count check: use the mixin's copy.
     m.FSDPTest._run = vars(m.FSDPTestMixin)["_run"]
+
+    setup = m.FSDPTest.setUp
+
+    def setUp(self):
+        _check_ranks(self.world_size)
+        setup(self)
+
+    m.FSDPTest.setUp = setUp
+
+    @classmethod
+    def _get_world_size(cls, device_type):
+        return _check_ranks(m.MultiProcContinuousTest._get_world_size.__func__(cls, device_type))
+
+    m.FSDPTestContinuous._get_world_size = _get_world_size
 
     @classmethod
     def _init_pg(cls, rank, world_size, rdvz_file):
