@@ -196,9 +196,11 @@ def resolve_ignored(
         )
     if ignored_modules is not None:
         modules = list(ignored_modules)
-        bad = {type(m).__name__ for m in modules if not isinstance(m, nn.Module)}
-        if bad:
-            raise TypeError(f"ignored_modules expects nn.Module list elements but got types {bad}")
+        if not all(isinstance(m, nn.Module) for m in modules):
+            raise ValueError(
+                f"ignored_modules expects nn.Module list elements but got types "
+                f"{_sorted_types(modules)}: pass parameters in ignored_states instead"
+            )
         return tuple(modules), ()
     if ignored_states is None:
         return (), ()
@@ -207,11 +209,25 @@ def resolve_ignored(
         return (), tuple(states)
     if all(isinstance(s, nn.Module) for s in states):
         return tuple(states), ()
-    types = {type(s).__name__ for s in states}
     raise ValueError(
         "ignored_states expects all nn.Parameter or all nn.Module list elements but got types "
-        f"{types}"
+        f"{_sorted_types(states)}: pass either modules or parameters"
     )
+
+
+def _sorted_types(objects: list[Any]) -> list[type]:
+    """The distinct types, in torch's order (by repr), as torch's error texts list them."""
+    return sorted({type(o) for o in objects}, key=repr)
+
+
+def warn_if_root_ignored(module: nn.Module, ignored: Iterable[nn.Module]) -> None:
+    if any(m is module for m in ignored):
+        warnings.warn(
+            "Trying to ignore the top-level module passed into the FSDP constructor itself "
+            "will result in all parameters being ignored and is not well-supported: "
+            f"{type(module).__name__}",
+            stacklevel=4,
+        )
 
 
 def check_not_fsdp(modules: Iterable[nn.Module], fsdp_cls: type) -> None:

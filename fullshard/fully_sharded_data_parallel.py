@@ -269,6 +269,7 @@ class FullyShardedDataParallel(nn.Module):
                 "calls them) instead, or pass an auto_wrap_policy that wraps them",
                 stacklevel=2,
             )
+        _init_utils.warn_if_root_ignored(module, settings.ignored_modules)
         if auto_wrap_policy is not None:
             ignored = _init_utils.expand_ignored(module, settings.ignored_modules)
             _auto_wrap(module, auto_wrap_policy, kwargs, settings.mixed_precision, ignored)

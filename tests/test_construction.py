@@ -153,10 +153,22 @@ def _construction_errors() -> None:
     lin = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="Cannot pass both `ignored_modules` and"):
         FSDP(nn.Sequential(lin), ignored_modules=[lin], ignored_states=[lin])
-    with pytest.raises(ValueError, match=r"ignored_states expects all nn\.Parameter or all"):
-        FSDP(nn.Sequential(lin), ignored_states=[lin, lin.weight])
-    with pytest.raises(TypeError, match=r"ignored_modules expects nn\.Module list elements"):
-        FSDP(nn.Sequential(lin), ignored_modules=[lin.weight])
+    with pytest.raises(
+        ValueError,  # torch's text: the distinct types, sorted by repr
+        match=r"ignored_states expects all nn\.Parameter or all nn\.Module list elements but "
+        r"got types \[<class 'torch\.nn\.modules\.linear\.Linear'>, "
+        r"<class 'torch\.nn\.parameter\.Parameter'>\]",
+    ):
+        FSDP(nn.Sequential(lin), ignored_states=[lin.weight, lin, lin.bias])
+    with pytest.raises(
+        ValueError,
+        match=r"ignored_modules expects nn\.Module list elements but got types "
+        r"\[<class 'torch\.nn\.parameter\.Parameter'>\]",
+    ):
+        FSDP(nn.Sequential(lin), ignored_modules=[lin.weight, lin.bias])
+    with pytest.warns(UserWarning, match="Trying to ignore the top-level module passed into"):
+        model = nn.Sequential(nn.Linear(2, 2))
+        FSDP(model, ignored_modules=[model])
     with pytest.raises(ValueError, match="to be callable"):
         FSDP(nn.Sequential(lin), param_init_fn=3)  # type: ignore[arg-type]
 
