@@ -227,3 +227,31 @@ def test_hybrid_shard_without_groups_shards_within_the_node() -> None:
     and replicates over a one-rank inter-node group, the same groups for all units (what
     torch's hybrid tests read from ``process_group`` and ``_inter_node_pg``)."""
     assert run_on_ranks(2, _hybrid_groups) == [(2, 1, True)] * 2
+
+
+def _nested_unit_ignores_per_rank(use_modules: bool) -> None:
+    """A nested unit ignores a rank-dependent number of modules; the root, told nothing,
+    must not manage them (its flat parameter would differ across ranks)."""
+    torch.manual_seed(0)
+    extra = [nn.Linear(4, 4, bias=False) for _ in range(dist.get_rank() + 1)]
+    model = nn.Sequential(nn.Sequential(nn.Linear(5, 4), *extra), nn.Linear(4, 4))
+    ignored: dict[str, Any] = (
+        {"ignored_modules": extra}
+        if use_modules
+        else {"ignored_states": [p for m in extra for p in m.parameters()]}
+    )
+    model[0] = FSDP(model[0], **ignored)
+    fsdp = FSDP(model)
+    assert fsdp.params[0].numel() == 10  # half of the root's own Linear(4, 4): nothing else
+    optim = torch.optim.Adam(fsdp.parameters(), lr=1e-3)
+    for _ in range(2):
+        fsdp(torch.randn(3, 5)).sum().backward()
+        optim.step()
+
+
+@pytest.mark.parametrize("use_modules", [True, False], ids=["ignored_modules", "ignored_states"])
+def test_ancestors_ignore_what_nested_units_ignore(use_modules: bool) -> None:
+    """Modules (or parameters) a nested unit ignores are ignored by its ancestors too, as in
+    torch: ranks ignoring different numbers of modules train (before: the root managed them,
+    and the ranks' all-gathers differed)."""
+    run_on_ranks(2, _nested_unit_ignores_per_rank, use_modules)
