@@ -91,10 +91,9 @@ def rewrite(source: str) -> tuple[str, dict[str, int]]:
     return source, fired
 
 
-def _failure(text: str) -> dict:
-    """A failure's last 'SomeError: ...' line (the rank's own error, not the harness's wrapper
-    around it) and the innermost frames above it."""
-    lines = [re.sub(r"^E\s?", "", line).strip() for line in text.splitlines()]
+def _last_error(lines: list[str]) -> dict:
+    """A traceback's last 'SomeError: ...' line (for a rank, its own error rather than the
+    harness's wrapper around it) and the innermost non-stdlib frames above it."""
     errors = [
         i
         for i, line in enumerate(lines)
@@ -110,6 +109,16 @@ def _failure(text: str) -> dict:
         if line.startswith("File ") and not line.startswith(stdlib)
     ]
     return {"error": lines[errors[-1]][:300], "where": frames[-3:]}
+
+
+def _failure(text: str) -> dict:
+    """The failure's error: with one section per failed rank (FSDPTest), the first rank's
+    that is not just its peer having died ("Connection closed by peer")."""
+    lines = [re.sub(r"^E\s?", "", line).strip() for line in text.splitlines()]
+    cuts = [i for i, line in enumerate(lines) if re.search(r"Process \d+ exited with", line)]
+    sections = [lines[i:j] for i, j in zip([0, *cuts], [*cuts, len(lines)])]
+    found = [_last_error(section) for section in sections if section]
+    return next((f for f in found if "closed by peer" not in f["error"]), found[-1])
 
 
 def parse_junit(path: Path) -> list[dict]:
