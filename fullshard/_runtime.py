@@ -471,6 +471,8 @@ class UnitRuntime:
             not will_backward or (self.reshard_after_forward and not self.is_root)
         ):
             handle.reshard()
+        elif handle is not None:
+            handle.register_orig_params()
         self.training_state = TrainingState.IDLE
         self.handle_training_state = HandleTrainingState.IDLE
         return output

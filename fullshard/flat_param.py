@@ -422,6 +422,16 @@ class FlatParamHandle:
             for module, name in slot_owners:
                 _assign_param(module, name, param, self._unsafe_setattr)
 
+    def register_orig_params(self) -> None:
+        """After a forward that keeps the unit unsharded until backward (the root, or
+        SHARD_GRAD_OP), with ``use_orig_params``: modules list the original parameters (on
+        their shard pieces) again, as torch's do, so ``model.parameters()`` between forward
+        and backward sees every parameter. The step's graph keeps the unsharded views it was
+        built with; backward recomputations set them again (``use_unsharded_views``)."""
+        self._assert_state(HandleState.UNSHARDED, "register_orig_params")
+        if self._use_orig_params:
+            self._use_sharded_params()
+
     def _unsharded_views(self) -> list[torch.Tensor]:
         """Per parameter, its view of its segment's active leaf, linked to it by autograd.
 

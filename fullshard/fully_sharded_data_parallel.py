@@ -320,7 +320,7 @@ class FullyShardedDataParallel(nn.Module):
         for nested in module.modules():  # what nested units ignore, their ancestors do too
             if isinstance(nested, FullyShardedDataParallel):
                 ignored_params |= nested._ignored_params
-        self._ignored_params = ignored_params
+        self._ignored_params: set[nn.Parameter] = ignored_params
         """Parameters this unit leaves alone (its own ignored states and nested units')."""
         managed_modules = _modules_of_unit(self)
         default_device = _init_utils.default_compute_device(settings.groups.shard)

@@ -255,3 +255,22 @@ def test_ancestors_ignore_what_nested_units_ignore(use_modules: bool) -> None:
     torch: ranks ignoring different numbers of modules train (before: the root managed them,
     and the ranks' all-gathers differed)."""
     run_on_ranks(2, _nested_unit_ignores_per_rank, use_modules)
+
+
+def _params_between_forward_and_backward(strategy: str) -> None:
+    model = _nested(sharding_strategy=ShardingStrategy[strategy], use_orig_params=True)
+    names = [name for name, _ in model.named_parameters()]
+    x = torch.randn(2, 4)
+    model(x).sum().backward()
+    output = model(x)
+    assert [name for name, _ in model.named_parameters()] == names  # the root's too
+    output.sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.numel() > 0)
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_parameters_between_forward_and_backward_use_orig_params(strategy: str) -> None:
+    """use_orig_params: units kept unsharded from forward to backward (the root, every unit
+    under SHARD_GRAD_OP) list their original parameters in between, as torch's do (before:
+    the modules held plain views then, and ``model.parameters()`` skipped them)."""
+    run_on_ranks(2, _params_between_forward_and_backward, strategy)
