@@ -78,6 +78,16 @@ REWRITES: list[tuple[str, str, str]] = [
         "torch.cuda.manual_seed -> torch.manual_seed",
     ),
     (r"\bdevice_ids=\[[^\]]*\]", "device_ids=None", "DDP(..., device_ids=[r]) -> device_ids=None"),
+    (
+        r"([\"']device_id[\"']\s*:\s*)(?:self\.)?rank\b",
+        r'\1torch.device("cpu")',
+        '{"device_id": self.rank} -> {"device_id": torch.device("cpu")}',
+    ),
+    (
+        r"([\"']device_ids[\"']\s*:\s*)\[[^\]]*\]",
+        r"\1None",
+        '{"device_ids": [self.rank]} -> {"device_ids": None}',
+    ),
 ]
 
 
