@@ -72,7 +72,7 @@ class ExecOrderValidator:
         assert handle is not None
         group = handle.groups.shard
         size = dist.get_world_size(group)
-        mine = torch.tensor([index], dtype=torch.int64)
+        mine = torch.tensor([index], dtype=torch.int64, device=handle.device)  # NCCL: on GPU
         gathered = [torch.empty_like(mine) for _ in range(size)]
         dist.all_gather(gathered, mine, group=group)
         indices = [int(t.item()) for t in gathered]
