@@ -622,6 +622,25 @@ class FullyShardedDataParallel(nn.Module):
             self._lazy_init()
         return bool(self._runtime.is_root)
 
+    def _unshard(self, async_op: bool = False) -> _Unshard | None:
+        """torch's explicit prefetch (a private method its tests and some trainers call):
+        issue this unit's all-gather now, e.g. from a parent's forward to overlap it with
+        other work; the unit's own forward then finds its parameters gathered. With
+        ``async_op`` returns an object whose ``wait()`` waits for the gather."""
+        self._assert_state(TrainingState.IDLE)
+        handle = self._handle
+        if handle is not None and handle.state == HandleState.SHARDED:
+            handle.unshard(self._forces_full_precision())
+        work = _Unshard(handle)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def _wait_unshard_streams_on_current_stream(self) -> None:
+        """torch's stream synchronisation after explicit prefetches: fullshard's transports
+        order their own copies, so there is nothing to wait for."""
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradient norm of all parameters, over every rank's shards, in place.
 
@@ -993,6 +1012,18 @@ class FullyShardedDataParallel(nn.Module):
 
         with summon(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads):
             yield
+
+
+class _Unshard:
+    """What ``_unshard(async_op=True)`` returns: ``wait()`` waits for the all-gather."""
+
+    def __init__(self, handle: FlatParamHandle | None) -> None:
+        self._handle = handle
+
+    def wait(self) -> None:
+        if self._handle is not None and self._handle.state == HandleState.UNSHARDING:
+            self._handle.wait_unshard()
+        self._handle = None
 
 
 def _supersede_previous_wrapper(module: nn.Module) -> None:

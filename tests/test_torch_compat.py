@@ -274,3 +274,54 @@ def test_parameters_between_forward_and_backward_use_orig_params(strategy: str) 
     under SHARD_GRAD_OP) list their original parameters in between, as torch's do (before:
     the modules held plain views then, and ``model.parameters()`` skipped them)."""
     run_on_ranks(2, _params_between_forward_and_backward, strategy)
+
+
+class _Prefetching(nn.Module):
+    """Starts its second block's all-gather before running the first block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block1 = nn.Linear(6, 6)
+        self.block2 = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        work = self.block2._unshard(async_op=True) if isinstance(self.block2, FSDP) else None
+        y = torch.relu(self.block1(x))
+        if work is not None:
+            work.wait()
+        return self.block2(y)
+
+
+def _explicit_prefetch(use_orig_params: bool) -> None:
+    from fullshard._collectives import COUNTERS
+
+    local = _Prefetching()
+    model = _Prefetching()
+    kwargs: dict[str, Any] = {
+        "use_orig_params": use_orig_params,
+        "sharding_strategy": ShardingStrategy.SHARD_GRAD_OP,
+    }
+    model.block1 = FSDP(model.block1, **kwargs)  # type: ignore[assignment]
+    model.block2 = FSDP(model.block2, **kwargs)  # type: ignore[assignment]
+    fsdp = FSDP(model, **kwargs)
+    optims = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (local, fsdp)]
+    for step in range(3):
+        x = torch.randn(2, 6, generator=torch.Generator().manual_seed(step))
+        COUNTERS.reset()
+        losses = [m(x).sum() for m in (local, fsdp)]
+        assert COUNTERS.calls["all_gather"] == 2  # block2's gather was issued once, early
+        for loss, optim in zip(losses, optims):
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+        torch.testing.assert_close(losses[1], losses[0])
+    fsdp._wait_unshard_streams_on_current_stream()
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_explicit_unshard_prefetches_a_unit(use_orig_params: bool) -> None:
+    """torch's ``_unshard(async_op=True)``: a unit's all-gather issued early from its
+    parent's forward is the one its own forward uses (one per unit per step), and training
+    matches a local model."""
+    run_on_ranks(2, _explicit_prefetch, use_orig_params)
