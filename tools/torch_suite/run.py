@@ -101,7 +101,7 @@ def rewrite(source: str) -> tuple[str, dict[str, int]]:
     return source, fired
 
 
-def _last_error(lines: list[str]) -> dict:
+def _last_error(lines: list[str]) -> dict | None:
     """A traceback's last 'SomeError: ...' line (for a rank, its own error rather than the
     harness's wrapper around it) and the innermost non-stdlib frames above it."""
     errors = [
@@ -111,7 +111,7 @@ def _last_error(lines: list[str]) -> dict:
         and "in worker process" not in line
     ]
     if not errors:
-        return {"error": next((line for line in lines if line), "")[:300]}
+        return None
     stdlib = f'File "{sys.base_prefix}'
     frames = [
         line
@@ -127,8 +127,10 @@ def _failure(text: str) -> dict:
     lines = [re.sub(r"^E\s?", "", line).strip() for line in text.splitlines()]
     cuts = [i for i, line in enumerate(lines) if re.search(r"Process \d+ exited with", line)]
     sections = [lines[i:j] for i, j in zip([0, *cuts], [*cuts, len(lines)])]
-    found = [_last_error(section) for section in sections if section]
-    return next((f for f in found if "closed by peer" not in f["error"]), found[-1])
+    found = [f for f in map(_last_error, sections) if f]
+    if not found:
+        return {"error": next((line for line in lines if line), "")[:300]}
+    return next((f for f in found if "closed by peer" not in f["error"]), found[0])
 
 
 def parse_junit(path: Path) -> list[dict]:
@@ -148,7 +150,7 @@ def parse_junit(path: Path) -> list[dict]:
                 if tag == "skipped":
                     test["message"] = message[:300]
                 else:
-                    test.update(_failure(f"{message}\n{node.text or ''}"))
+                    test.update(_failure(node.text or message))  # the text is the full report
                 break
         tests.append(test)
     return tests
