@@ -720,12 +720,12 @@ class FullyShardedDataParallel(nn.Module):
             optim_state_dict_config if optim_state_dict_config is not None else optim_config_cls()
         )
         if type(config) is not config_cls:
-            raise ValueError(
+            raise StateDictConfigError(
                 f"Expected state_dict_config of type {config_cls} but got {type(config)} for "
                 f"{state_dict_type}"
             )
         if type(optim_config) is not optim_config_cls:
-            raise ValueError(
+            raise StateDictConfigError(
                 f"Expected optim_state_dict_config of type {optim_config_cls} but got "
                 f"{type(optim_config)} for {state_dict_type}"
             )
@@ -1012,6 +1012,11 @@ class FullyShardedDataParallel(nn.Module):
 
         with summon(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads):
             yield
+
+
+class StateDictConfigError(ValueError, RuntimeError):
+    """A state-dict config of the wrong type for the state-dict type. torch raises
+    RuntimeError; fullshard raised ValueError before, so it is both."""
 
 
 class _Unshard:
