@@ -733,12 +733,15 @@ class FlatParamHandle:
         self.exposes_unsharded_params = True
         self.sync_orig_grads()  # leaving re-attaches grads from the sharded gradient
         views = [v.detach() for v in self._unsharded_views()]
-        for param, view, slot_owners in zip(self._orig_params, views, self._owners):
+        for index, (param, view, slot_owners) in enumerate(
+            zip(self._orig_params, views, self._owners)
+        ):
             exposed = param
             if self._use_orig_params:
                 param.data = view
-            else:
-                exposed = nn.Parameter(view, requires_grad=param.requires_grad)
+            else:  # the flag the user sees on the flat parameter (it may have changed since)
+                flat_param = self.segment_of(index).flat_param
+                exposed = nn.Parameter(view, requires_grad=flat_param.requires_grad)
             for module, name in slot_owners:
                 _assign_param(module, name, exposed, self._unsafe_setattr)
 

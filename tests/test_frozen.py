@@ -772,6 +772,7 @@ def _freeze_after_wrapping(strategy: str, use_orig_params: bool) -> None:
         with FSDP.summon_full_params(fsdp):
             for (name, mine), theirs in zip(fsdp.named_parameters(), local.parameters()):
                 torch.testing.assert_close(mine, theirs, msg=f"step {step}: {name}")
+                assert mine.requires_grad == theirs.requires_grad, f"step {step}: {name}"
 
 
 @pytest.mark.parametrize("strategy", FLAT)
