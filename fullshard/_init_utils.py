@@ -191,8 +191,8 @@ def resolve_ignored(
     """Validate ``ignored_modules`` / ``ignored_states``: (modules, parameters) to ignore."""
     if ignored_modules is not None and ignored_states is not None:
         raise ValueError(
-            "Cannot pass both `ignored_modules` and `ignored_states` at the same time. Please "
-            "just pass `ignored_states`."
+            "Cannot pass both ignored_modules and ignored_states at the same time. Please "
+            "just pass ignored_states."
         )
     if ignored_modules is not None:
         modules = list(ignored_modules)

@@ -124,7 +124,10 @@ def resolve_groups(
     hybrid = strategy in HYBRID_STRATEGIES
     if device_mesh is not None:
         if process_group is not None:
-            raise ValueError("pass either process_group or device_mesh, not both")
+            raise ValueError(
+                "Cannot pass both process_group and device_mesh at the same time. Please just "
+                "pass only one of them."
+            )
         return _groups_from_mesh(device_mesh, hybrid)
     if hybrid:
         if process_group is None:

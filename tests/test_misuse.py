@@ -316,7 +316,7 @@ CONSTRUCTION: dict[str, Case] = {
     "ignored_modules_and_ignored_states": (
         lambda: FSDP(_mlp(), ignored_modules=[nn.Linear(2, 2)], ignored_states=[]),
         ValueError,
-        "Cannot pass both `ignored_modules` and `ignored_states` at the same time",
+        "Cannot pass both ignored_modules and ignored_states at the same time",
     ),
     "parameters_of_two_dtypes_in_one_unit": (
         _mixed_dtypes,
@@ -363,7 +363,7 @@ CONSTRUCTION: dict[str, Case] = {
     "process_group_and_device_mesh": (
         _mesh_and_group,
         ValueError,
-        "pass either process_group or device_mesh, not both",
+        "Cannot pass both process_group and device_mesh at the same time",
     ),
     "two_dim_mesh_without_hybrid_shard": (
         _two_dim_mesh_without_hybrid,
