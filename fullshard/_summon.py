@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._runtime import HandleTrainingState, TrainingState
+from ._traversal import FLAT_PARAM_NAMES, flat_param_owner
 from .flat_param import FlatParamHandle, HandleState
 
 if TYPE_CHECKING:
@@ -104,6 +105,7 @@ def summon(
     _validate(units, writeback, rank0_only, offload_to_cpu, with_grads)
     handles = [unit._handle for unit in units if unit._handle is not None]
     expose = not rank0_only or dist.get_rank() == 0
+    hidden: list[tuple[nn.Module, str, nn.Parameter]] = []
     try:
         _gather(handles)
         if not expose:  # rank0_only: the other ranks only took part in the all-gathers
@@ -118,9 +120,31 @@ def summon(
                 handle.expose_unsharded_params()
                 if with_grads:
                     handle.expose_unsharded_grads()
+            for unit in units:
+                hidden.extend(_deregister_flat_params(unit))
         yield
     finally:
+        for owner, name, flat_param in hidden:
+            owner.register_parameter(name, flat_param)
         _restore(units, handles, writeback and expose)
+
+
+def _deregister_flat_params(
+    unit: FullyShardedDataParallel,
+) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """While the full parameters are exposed, the flat parameters are not registered, as in
+    torch: ``model.parameters()`` over a model whose root is not a unit then lists each
+    parameter once, at full size (registered again on exit)."""
+    if unit._handle is None or unit._use_orig_params:
+        return []
+    owner = flat_param_owner(unit.module)
+    hidden = []
+    for name in FLAT_PARAM_NAMES:
+        flat_param = owner._parameters.get(name)
+        if flat_param is not None:
+            hidden.append((owner, name, flat_param))
+            del owner._parameters[name]
+    return hidden
 
 
 def _gather(handles: list[FlatParamHandle]) -> None:

@@ -325,3 +325,27 @@ def test_explicit_unshard_prefetches_a_unit(use_orig_params: bool) -> None:
     parent's forward is the one its own forward uses (one per unit per step), and training
     matches a local model."""
     run_on_ranks(2, _explicit_prefetch, use_orig_params)
+
+
+def _summon_under_a_plain_root(use_orig_params: bool) -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(10, 10, bias=False), nn.Linear(10, 4), nn.Linear(4, 4))
+    shapes = [tuple(p.shape) for p in plain.parameters()]
+    model = nn.Sequential(plain[0], FSDP(plain[1], use_orig_params=use_orig_params), FSDP(plain[2]))
+    with FSDP.summon_full_params(model):
+        params = list(model.parameters())
+        assert [tuple(p.shape) for p in params] == shapes
+        assert not any(isinstance(p, FlatParameter) for p in params)
+    flat = [p for p in model.parameters() if isinstance(p, FlatParameter)]
+    assert len(flat) == (1 if use_orig_params else 2)  # registered again
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 10)).sum().backward()
+    optim.step()
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_summon_under_a_plain_root_lists_each_parameter_once(use_orig_params: bool) -> None:
+    """Inside ``summon_full_params`` of a model whose root is not a unit, ``parameters()``
+    lists every parameter once at full size: flat parameters are unregistered meanwhile, as
+    in torch (before: each unit's flat shard was listed too)."""
+    run_on_ranks(2, _summon_under_a_plain_root, use_orig_params)
