@@ -1036,12 +1036,13 @@ def _supersede_previous_wrapper(module: nn.Module) -> None:
     is allowed, as in torch, when its previous wrapper manages no parameters of its own: the
     nested units keep theirs and follow the new root. The previous wrapper then refuses to
     run. A previous wrapper holding parameters cannot be replaced (they live in its flat
-    parameter), so that is an error."""
+    parameter), so that is an error; so is a previous wrapper that no longer exists, since
+    what it held cannot be told any more (its flat parameter may still be registered)."""
     previous_ref = module.__dict__.get(_WRAPPED_BY)
-    previous = previous_ref() if previous_ref is not None else None
-    if previous is None:
+    if previous_ref is None:
         return
-    if previous._handle is not None:
+    previous = previous_ref()
+    if previous is None or previous._handle is not None:
         raise ValueError(
             f"this {type(module).__qualname__} is already wrapped by another "
             "FullyShardedDataParallel instance, which owns its parameters now; wrap each "

@@ -9,6 +9,7 @@ process. Checkpoint files are damaged here, between the ranks' save and load.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -179,6 +180,7 @@ def _two_dim_mesh_without_hybrid() -> None:
 def _same_module_twice() -> None:
     model = _mlp()
     FSDP(model)
+    gc.collect()  # the first wrapper is gone; its flat parameter is still on the model
     FSDP(model)  # the first wrapper owns its parameters already
 
 
