@@ -70,11 +70,9 @@ class ExecOrderValidator:
     def _check_across_ranks(self, unit: UnitRuntime, index: int) -> None:
         handle = unit.handle
         assert handle is not None
-        group = handle.groups.shard
-        size = dist.get_world_size(group)
         mine = torch.tensor([index], dtype=torch.int64, device=handle.device)  # NCCL: on GPU
-        gathered = [torch.empty_like(mine) for _ in range(size)]
-        dist.all_gather(gathered, mine, group=group)
+        gathered = [torch.empty_like(mine) for _ in range(handle.groups.shard_size)]
+        dist.all_gather(gathered, mine, group=handle.groups.shard)
         indices = [int(t.item()) for t in gathered]
         if len(set(indices)) > 1:
             names = {i: _label(u) for i, u in enumerate(unit.root.units)}
