@@ -18,14 +18,20 @@ unwrapped model would hold, keyed by each original parameter's fully qualified n
   ``all_gather_object``, so ranks holding no piece of a parameter still report its state.
 - ``param_groups`` list FQNs instead of parameter ids; parameters with no state yet appear
   there and not under ``state``.
+- ``state`` is ordered as rank 0's optimizer holds the parameters, on every rank (as torch's),
+  so code iterating the dicts of all ranks together (gathering DTensors) pairs the same
+  parameters. Every rank's optimizer must hold the same FSDP-managed parameters (checked on
+  the exchanged metadata): a rank without one would contribute zeros for its shard.
 
-``optim_state_dict_to_load`` walks the given dict in the optimizer's parameter order (the
-same on every rank, whatever the dict's own: DTensor values are gathered with
+``optim_state_dict_to_load`` walks the given dict in the model's parameter order (the same on
+every rank, whatever the dict's or the optimizer's: DTensor values are gathered with
 ``full_tensor()`` and ``rank0_only`` values broadcast from rank 0, one tensor at a time) and
 cuts each full state to this rank's piece: a flat parameter's state is its shard of the
 concatenated states, an original parameter's its piece.
 The result is keyed by the ids of ``optim.param_groups`` and loads with
-``optim.load_state_dict``.
+``optim.load_state_dict``. Its groups list the ids of the parameters the saved groups name:
+a parameter the dict does not know (added to the model since, or managed outside FSDP) is
+left out, as torch leaves it, for the caller to add before loading.
 """
 
 from __future__ import annotations
@@ -79,33 +85,42 @@ class _OptimParam:
 def _model_params(
     model: nn.Module, units: list[FullyShardedDataParallel]
 ) -> tuple[dict[int, _OptimParam], dict[int, list[str]]]:
-    """Every parameter an optimizer over ``model`` may hold, by ``id``; and each handle's
-    original parameters' FQNs (by ``id(handle)``)."""
+    """Every parameter an optimizer over ``model`` may hold, by ``id``, in ``nn.Module`` order
+    of their first FQN (the same on every rank); and each handle's original parameters' FQNs
+    (by ``id(handle)``)."""
     entries, _, _ = _plan(model, units, "")
     fqn_of: dict[tuple[int, int], str] = {}
-    params: dict[int, _OptimParam] = {}
-    unit_fqns: dict[int, list[str]] = {}
     for entry in entries:
         if entry.handle is not None:
             fqn_of.setdefault((id(entry.handle), entry.index), entry.key)
-        elif isinstance(entry.value, nn.Parameter) and id(entry.value) not in params:
-            params[id(entry.value)] = _OptimParam(entry.value, [entry.key])
+    unit_fqns: dict[int, list[str]] = {}
+    orig_params: dict[int, bool] = {}
     for unit in units:
         handle = unit._handle
+        if handle is not None:
+            unit_fqns[id(handle)] = [
+                fqn_of[(id(handle), index)] for index in range(len(handle.orig_params))
+            ]
+            orig_params[id(handle)] = unit._use_orig_params
+    params: dict[int, _OptimParam] = {}
+    for entry in entries:
+        handle = entry.handle
         if handle is None:
+            if isinstance(entry.value, nn.Parameter) and id(entry.value) not in params:
+                params[id(entry.value)] = _OptimParam(entry.value, [entry.key])
             continue
-        fqns = [fqn_of[(id(handle), index)] for index in range(len(handle.orig_params))]
-        unit_fqns[id(handle)] = fqns
-        if not unit._use_orig_params:
-            for segment in handle.segments:
-                indices = list(segment.indices)
-                flat_fqns = [fqns[index] for index in indices]
-                params[id(segment.flat_param)] = _OptimParam(
-                    segment.flat_param, flat_fqns, handle, indices
-                )
+        fqns = unit_fqns[id(handle)]
+        if orig_params[id(handle)]:
+            param = handle.orig_params[entry.index]
+            if id(param) not in params:
+                params[id(param)] = _OptimParam(param, [fqns[entry.index]], handle, [entry.index])
             continue
-        for index, param in enumerate(handle.orig_params):
-            params[id(param)] = _OptimParam(param, [fqns[index]], handle, [index])
+        segment = handle.segment_of(entry.index)
+        if id(segment.flat_param) not in params:
+            indices = list(segment.indices)
+            params[id(segment.flat_param)] = _OptimParam(
+                segment.flat_param, [fqns[index] for index in indices], handle, indices
+            )
     return params, unit_fqns
 
 
@@ -169,31 +184,71 @@ def _describe(value: Any, op: _OptimParam, key: str) -> _StateMeta:
     return _StateMeta("tensor", value.dtype)
 
 
+@dataclass
+class _RankView:
+    """What one rank tells the others before an optimizer state dict is built."""
+
+    states: dict[str, dict[str, _StateMeta]]
+    """Per FSDP-managed original parameter's FQN, its state keys described."""
+    held: list[str]
+    """The FQNs of every parameter its optimizer holds, in the optimizer's order."""
+    managed: list[str]
+    """Those of ``held`` that FSDP shards (their states are gathered across ranks)."""
+
+
 def _exchange_metadata(
     ordered: list[_OptimParam], states: dict[int, dict[str, Any]], group: Any
-) -> dict[str, dict[str, _StateMeta]]:
-    """Per managed original parameter's FQN, its state keys as any rank knows them (one
-    ``all_gather_object``; the first rank that has a key describes it)."""
-    mine: dict[str, dict[str, _StateMeta]] = {}
+) -> tuple[dict[str, dict[str, _StateMeta]], list[str]]:
+    """Per managed original parameter's FQN, its state keys as any rank knows them (the first
+    rank that has a key describes it), and rank 0's optimizer's FQNs in its order, which
+    orders the state dict on every rank (as torch's). One ``all_gather_object``."""
+    mine = _RankView({}, [fqn for op in ordered for fqn in op.fqns], [])
     for op in ordered:
-        state = states.get(id(op.param))
-        if op.handle is None or not state:
+        if op.handle is None:
             continue
-        described = {key: _describe(value, op, key) for key, value in state.items()}
-        for fqn in op.fqns:
-            mine[fqn] = described
+        mine.managed.extend(op.fqns)
+        state = states.get(id(op.param))
+        if state:
+            described = {key: _describe(value, op, key) for key, value in state.items()}
+            mine.states.update(dict.fromkeys(op.fqns, described))
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return mine
+        return mine.states, mine.held
     every: list[Any] = [None] * dist.get_world_size(group)
     with comm.named("the exchange of optimizer state metadata", group):
         dist.all_gather_object(every, mine, group=group)
+    _check_same_managed(every)
     merged: dict[str, dict[str, _StateMeta]] = {}
-    for rank_meta in every:
-        for fqn, described in rank_meta.items():
+    for view in every:
+        for fqn, described in view.states.items():
             keys = merged.setdefault(fqn, {})
             for key, meta in described.items():
                 keys.setdefault(key, meta)
-    return merged
+    return merged, every[0].held
+
+
+def _check_same_managed(every: list[_RankView]) -> None:
+    """Every rank's optimizer must hold the same FSDP-managed parameters: their states are
+    gathered unit by unit, and a rank missing one would give zeros for its shard. Decided on
+    the gathered views, so every rank raises alike."""
+    first = set(every[0].managed)
+    for rank, view in enumerate(every[1:], start=1):
+        missing = [fqn for fqn in every[0].managed if fqn not in set(view.managed)]
+        if missing:
+            raise RuntimeError(
+                "FSDP currently requires each rank to have at least the optimizer states "
+                "needed by rank 0's optimizer but some ranks are missing some of those states: "
+                f"rank {rank}'s optimizer does not hold {missing[:8]}"
+                f"{' and more' if len(missing) > 8 else ''}, which rank 0's does. Build every "
+                "rank's optimizer over the same parameters of the FSDP-wrapped model"
+            )
+        extra = [fqn for fqn in view.managed if fqn not in first]
+        if extra:
+            raise RuntimeError(
+                f"rank {rank}'s optimizer holds FSDP-managed parameters {extra[:8]}"
+                f"{' and more' if len(extra) > 8 else ''} that rank 0's optimizer does not; "
+                "their states are sharded across ranks, so every rank's optimizer must hold "
+                "the same parameters of the FSDP-wrapped model"
+            )
 
 
 def _local_shard_of_state(
@@ -284,7 +339,7 @@ def produce(
     groups = [list(group["params"]) for group in optim.param_groups]
     ordered = _optimizer_params(params, groups, "optim_state_dict()")
     states = _local_states(optim, ordered, source)
-    metadata = _exchange_metadata(ordered, states, group)
+    metadata, rank0_order = _exchange_metadata(ordered, states, group)
     keep = not (full and rank0_only and dist.is_initialized() and dist.get_rank(group) != 0)
     device_type = units[0].compute_device.type if units else "cpu"
     tensors: dict[tuple[str, str], Any] = {}
@@ -311,7 +366,7 @@ def produce(
                 tensors[(fqns[index], key)] = _copied(value, offload_to_cpu)
     if not keep:
         return {}
-    state = _assemble(ordered, states, metadata, tensors, offload_to_cpu)
+    state = _in_order(_assemble(ordered, states, metadata, tensors, offload_to_cpu), rank0_order)
     base_groups = (
         source["param_groups"] if source is not None else optim.state_dict()["param_groups"]
     )
@@ -325,7 +380,7 @@ def _assemble(
     tensors: dict[tuple[str, str], Any],
     offload_to_cpu: bool,
 ) -> dict[str, Any]:
-    """The ``state`` part, in the optimizer's parameter order, FQN-keyed."""
+    """The ``state`` part, in this rank's optimizer's parameter order, FQN-keyed."""
     out: dict[str, Any] = {}
     for op in ordered:
         local = states.get(id(op.param), {})
@@ -351,6 +406,15 @@ def _assemble(
                     param_state[key] = copy.copy(meta.value)
             out[fqn] = param_state
     return out
+
+
+def _in_order(state: dict[str, Any], order: list[str]) -> dict[str, Any]:
+    """``state`` with the keys of ``order`` first, in that order (then the rest as they are):
+    with optimizers over the same parameters in different orders, every rank's dict then
+    iterates alike, and so do collectives over its DTensor values."""
+    ordered = {fqn: state[fqn] for fqn in order if fqn in state}
+    ordered.update((fqn, value) for fqn, value in state.items() if fqn not in ordered)
+    return ordered
 
 
 def _named_param_groups(
@@ -452,13 +516,16 @@ def load(
         skeleton = osd
     targets = {fqn: (position, op) for position, op in enumerate(ordered) for fqn in op.fqns}
     _check_names(skeleton["state"], targets, where)
+    _check_flat_scalars(skeleton["state"], ordered)
     device = units[0].compute_device if units else torch.device("cpu")
     # With rank0_only only rank 0 holds the tensors; the others walk the skeleton.
     holder = osd if not rank0_only or dist.get_rank(group) == 0 else None
     states: dict[int, dict[str, Any]] = {}
-    # In the optimizer's order: the dict's own may differ between ranks (torch's
-    # set_state_dict builds it from sets of FQNs), and DTensor values gather collectively.
-    for fqn in [fqn for fqn in targets if fqn in skeleton["state"]]:
+    # In the model's order, the same on every rank: the dict's own may differ between ranks
+    # (torch's set_state_dict builds it from sets of FQNs), so may the optimizer's, and
+    # DTensor values gather collectively.
+    in_model_order = [fqn for op in params.values() for fqn in op.fqns]
+    for fqn in [fqn for fqn in in_model_order if fqn in targets and fqn in skeleton["state"]]:
         param_state = skeleton["state"][fqn]
         position, op = targets[fqn]
         state = states.setdefault(position, {})
@@ -531,6 +598,38 @@ def _shape_error(fqn: str, key: str, got: torch.Size, expected: torch.Size) -> s
     )
 
 
+def _check_flat_scalars(state: dict[str, Any], ordered: list[_OptimParam]) -> None:
+    """A flat parameter has one value of each scalar state (Adam's ``step``): every original
+    parameter in it that has state must have it (as torch, before any collective). One with no
+    state at all beside others that have it is a parameter the state dict does not know (added
+    to the model since it was saved)."""
+    for op in ordered:
+        if not op.is_flat:
+            continue
+        with_state = [fqn for fqn in op.fqns if fqn in state]
+        if not with_state:
+            continue
+        scalar_keys = {
+            key
+            for fqn in with_state
+            for key, value in state[fqn].items()
+            if not _is_param_shaped(value)
+        }
+        for key in sorted(scalar_keys):
+            lacking = [fqn for fqn in op.fqns if key not in state.get(fqn, {})]
+            if lacking:
+                raise ValueError(
+                    "All unflattened parameters comprising a single flat parameter must have "
+                    f"scalar state with the same value and dtype, but state '{key}' is missing "
+                    f"for {lacking} and present for "
+                    f"{[fqn for fqn in op.fqns if fqn not in lacking]} (FSDP unit "
+                    f"'{op.handle.label if op.handle else ''}'). The optimizer state dict does "
+                    "not cover every parameter of this unit: it was saved from another model, "
+                    "or parameters were added since; with use_orig_params=False a unit's "
+                    "parameters share one flat parameter and so one optimizer state"
+                )
+
+
 def _load_value(op: _OptimParam, fqn: str, key: str, value: Any, state: dict[str, Any]) -> None:
     """A scalar or other value; a flat parameter's original parameters must agree on it."""
     if isinstance(value, torch.Tensor):
@@ -543,9 +642,11 @@ def _load_value(op: _OptimParam, fqn: str, key: str, value: Any, state: dict[str
         )
         if not same:
             raise ValueError(
-                f"optimizer state '{key}' of '{fqn}' is {value!r} but {state[key]!r} for other "
-                "parameters of its FSDP unit; with use_orig_params=False a unit's parameters "
-                "share one flat parameter and so one value of it"
+                "All unflattened parameters comprising a single flat parameter must have "
+                f"scalar state with the same value and dtype, but optimizer state '{key}' of "
+                f"'{fqn}' is {value!r} and {state[key]!r} for other parameters of its FSDP "
+                "unit; with use_orig_params=False a unit's parameters share one flat parameter "
+                "and so one value of it"
             )
         return
     state[key] = value
@@ -578,7 +679,11 @@ def _id_param_groups(
             )
         match = match if match is not None else saved[group_index]
         copied = copy.deepcopy({k: v for k, v in match.items() if k != "params"})
-        copied["params"] = ids
+        # Only the parameters the saved group names, as torch: a parameter the state dict
+        # does not know (added since, or managed outside FSDP) leaves its id out, and
+        # optim.load_state_dict then refuses the group's size unless the caller adds it.
+        named = set(match.get("params", []))
+        copied["params"] = [i for i in ids if named.intersection(ordered[i].fqns)]
         out.append(copied)
     return out
 

@@ -462,3 +462,166 @@ def test_rank0_only_full_state_dicts_match_everywhere_ones(
     """rank0_only (units gathered to rank 0 only) gives rank 0 the same model and optimizer
     state dicts as rank0_only=False, and the other ranks empty ones."""
     run_on_ranks(world_size, _rank0_only_matches_everywhere, strategy, use_orig_params)
+
+
+def _reversed_on_rank1(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """Adam over ``params``, listed in reverse on rank 1 (the same parameters, another order)."""
+    return torch.optim.Adam(params[::-1] if dist.get_rank() == 1 else params, lr=0.01)
+
+
+def _different_optimizer_orders(use_orig_params: bool) -> None:
+    rank = dist.get_rank()
+    model = _wrap(ShardingStrategy.FULL_SHARD, use_orig_params)
+    optim = _reversed_on_rank1(list(model.parameters()))
+    for step in range(2):
+        _step(model, optim, rank, step)
+    expected = _local_state(optim)
+    full = FSDP.full_optim_state_dict(model, optim, rank0_only=False)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sharded = FSDP.optim_state_dict(model, optim)
+    # Both dicts iterate alike on every rank, in rank 0's optimizer's order.
+    orders: list[Any] = [None, None]
+    dist.all_gather_object(orders, (list(full["state"]), list(sharded["state"])))
+    assert orders[0] == orders[1]
+    assert orders[0][0] == orders[0][1]
+    # So gathering the SHARDED dict's DTensors in its order pairs the same parameters.
+    for fqn, state in sharded["state"].items():
+        for key, value in state.items():
+            got = value.full_tensor() if isinstance(value, DTensor) else value
+            torch.testing.assert_close(got, full["state"][fqn][key], rtol=0, atol=0)
+    # Loading walks the model's order, whatever each rank's optimizer's.
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        optim = _reversed_on_rank1(list(model.parameters()))
+        optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, sharded))
+    _assert_same_local_state(_local_state(optim), expected)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_optimizers_holding_parameters_in_different_orders_per_rank(
+    use_orig_params: bool,
+) -> None:
+    """Ranks whose optimizers list the same parameters in different orders: the FULL and
+    SHARDED dicts are ordered as rank 0's optimizer on every rank (gathering the SHARDED one's
+    DTensors key by key paired different parameters before), and both load back exactly."""
+    run_on_ranks(2, _different_optimizer_orders, use_orig_params)
+
+
+def _optimizer_missing_a_parameter_on_one_rank(use_orig_params: bool, short_rank: int) -> None:
+    rank = dist.get_rank()
+    model = _wrap(ShardingStrategy.FULL_SHARD, use_orig_params)
+    params = list(model.parameters())
+    optim = torch.optim.Adam(params[:-1] if rank == short_rank else params, lr=0.01)
+    _step(model, optim, rank, 0)
+    expected = (
+        "FSDP currently requires each rank to have at least the optimizer states needed by "
+        "rank 0's optimizer but some ranks are missing some of those states: rank 1's"
+        if short_rank == 1
+        else "rank 1's optimizer holds FSDP-managed parameters"
+    )
+    for state_dict_type in [StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT]:
+        with FSDP.state_dict_type(model, state_dict_type), pytest.raises(RuntimeError) as info:
+            FSDP.optim_state_dict(model, optim)
+        assert str(info.value).startswith(expected), str(info.value)
+
+
+@pytest.mark.parametrize("short_rank", [1, 0], ids=["rank1-short", "rank0-short"])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_optimizers_holding_different_managed_parameters_raise(
+    use_orig_params: bool, short_rank: int
+) -> None:
+    """One rank's optimizer leaves out a sharded parameter: every rank raises (torch's text
+    where rank 1 lacks one of rank 0's), instead of gathering zeros for that rank's shard."""
+    run_on_ranks(2, _optimizer_missing_a_parameter_on_one_rank, use_orig_params, short_rank)
+
+
+class _TwoBlocks(nn.Module):
+    """An unwrapped root holding a bias, over two blocks each wrapped as a unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block0 = nn.Sequential(nn.Linear(4, 6), nn.ReLU())
+        self.block1 = nn.Sequential(nn.Linear(6, 3), nn.ReLU())
+        self.bias = nn.Parameter(torch.randn(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block1(self.block0(x)) + self.bias
+
+    @staticmethod
+    def wrapped(use_orig_params: bool, unmanaged_in: str | None = None) -> tuple[nn.Module, Any]:
+        """The model with its blocks wrapped; with ``unmanaged_in`` ("root" or "block1") a
+        parameter the saved state dicts do not know, registered before wrapping."""
+        model = _TwoBlocks()
+        added = None
+        if unmanaged_in is not None:
+            added = nn.Parameter(torch.randn(5, 5))
+            owner = model if unmanaged_in == "root" else model.block1[0]
+            owner.register_parameter("unmanaged", added)
+        model.block0 = FSDP(model.block0, use_orig_params=use_orig_params)
+        model.block1 = FSDP(model.block1, use_orig_params=use_orig_params)
+        return model, added
+
+
+def _train_two_blocks(model: nn.Module, optim: torch.optim.Optimizer) -> None:
+    torch.manual_seed(dist.get_rank())
+    model(torch.randn(8, 4)).sum().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def _unmanaged_parameters(use_orig_params: bool, state_dict_type: StateDictType) -> None:
+    model, _ = _TwoBlocks.wrapped(use_orig_params)
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    _train_two_blocks(model, optim)
+    with FSDP.state_dict_type(model, state_dict_type):
+        osd = FSDP.optim_state_dict(model, optim)
+    # A parameter outside every unit that the dict does not know: its id is left out of the
+    # groups (as torch), so loading refuses until the caller adds its state.
+    model, added = _TwoBlocks.wrapped(use_orig_params, unmanaged_in="root")
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    added_id = next(i for i, p in enumerate(optim.param_groups[0]["params"]) if p is added)
+    with FSDP.state_dict_type(model, state_dict_type):
+        to_load = FSDP.optim_state_dict_to_load(model, optim, osd)
+    assert added_id not in to_load["param_groups"][0]["params"]
+    assert len(to_load["param_groups"][0]["params"]) == len(optim.param_groups[0]["params"]) - 1
+    with pytest.raises(ValueError, match="doesn't match the size of optimizer's group"):
+        optim.load_state_dict(copy.deepcopy(to_load))
+    to_load["state"][added_id] = {
+        "step": torch.tensor(1.0),
+        "exp_avg": torch.zeros(5, 5),
+        "exp_avg_sq": torch.zeros(5, 5),
+    }
+    to_load["param_groups"][0]["params"] = sorted([*to_load["param_groups"][0]["params"], added_id])
+    optim.load_state_dict(to_load)
+    assert optim.state[added]["step"].item() == 1.0
+    if use_orig_params:
+        return
+    # Inside a unit it shares a flat parameter with parameters that have a `step`: torch's
+    # error, on every rank, before any collective.
+    model, _ = _TwoBlocks.wrapped(use_orig_params, unmanaged_in="block1")
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    with (
+        FSDP.state_dict_type(model, state_dict_type),
+        pytest.raises(
+            ValueError,
+            match=r"^All unflattened parameters comprising a single flat parameter must have "
+            r"scalar state with the same value and dtype, but state 'step' is missing for "
+            r"\['block1.0.unmanaged'\]",
+        ),
+    ):
+        FSDP.optim_state_dict_to_load(model, optim, osd)
+
+
+@pytest.mark.parametrize(
+    "state_dict_type",
+    [StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT],
+    ids=lambda t: t.name,
+)
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_loading_into_a_model_with_parameters_the_state_dict_does_not_know(
+    use_orig_params: bool, state_dict_type: StateDictType
+) -> None:
+    """A parameter added since saving: outside every unit its id is left out of the loaded
+    groups (optim.load_state_dict refuses until its state is added, as torch); inside a unit
+    sharing a flat parameter it raises torch's scalar-state error."""
+    run_on_ranks(2, _unmanaged_parameters, use_orig_params, state_dict_type)
