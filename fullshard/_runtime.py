@@ -550,6 +550,8 @@ class UnitRuntime:
             return
         if handle.state == HandleState.SHARDED:
             handle.unshard(self.full_precision)
+        else:  # kept unsharded since its forward (or prefetched)
+            handle.check_orig_params_kept()
         root.prefetch_for_backward(self, BackwardPrefetch.BACKWARD_PRE)  # before we block
         handle.wait_unshard()
         handle.use_unsharded_views()

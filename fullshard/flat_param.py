@@ -94,6 +94,29 @@ _FSDP_USE_UNSAFE_SETATTR = "FSDP_USE_UNSAFE_SETATTR"
 # never training it. A change made between a forward and its backward applies from the next
 # forward, as in torch.
 
+# [Note: original parameters changed after wrapping]
+# With use_orig_params=True, outside forward each original parameter is registered on its
+# module holding this rank's piece of its unit's shard (flattened; whole under NO_SHARD), and
+# an optimizer over it updates the shard in place. Users also change them otherwise, as
+# torch's FSDP lets them: `param.data = t`, or `module.weight = nn.Parameter(t)`, with `t` of
+# the piece's shape. Before its shards are gathered (`unshard`: forward, backward, summon,
+# state dicts) a unit writes such a change back into its shard, as torch's does, and a new
+# Parameter becomes the unit's from then on (its `.grad` is not kept, as in torch); silently
+# training the old storage would lose the change. A tensor of another shape cannot be written
+# back (torch's "Cannot writeback when the parameter shape changes"), and a tie made or undone
+# after wrapping cannot be honoured: both raise. A unit kept unsharded from its forward to its
+# backward (the root, SHARD_GRAD_OP) checks at its pre-backward instead, and raises torch's
+# "FSDP does not support changing the parameters between forward and backward": the step's
+# graph holds views of the unsharded parameters, which the change would bypass. In-place
+# changes (`param.mul_(2)`, `param.data.copy_(t)`) write the shard directly and need nothing.
+# With use_orig_params=False modules hold no Parameters between steps; one registered there
+# is reported by `_check_params_not_replaced` at the next forward.
+
+
+class OrigParamChangedError(RuntimeError, AssertionError):
+    """An original parameter replaced between a forward and its backward (torch raises an
+    AssertionError; a RuntimeError too, as it is the user's doing)."""
+
 
 class HandleState(enum.Enum):
     """Where a unit's parameters are materialised."""
@@ -447,12 +470,19 @@ class FlatParamHandle:
         return [views[index] for index in range(self.layout.num_params)]
 
     def use_unsharded_views(self) -> None:
-        """Point every owner module's attribute at its view of the unsharded parameter."""
+        """Point every owner module's attribute at its view of the unsharded parameter. With
+        ``use_orig_params`` the view is also listed in the module's ``_parameters`` (a plain
+        tensor there, as torch's FSDP does), so ``named_parameters()`` called inside the
+        forward sees every original parameter, at full shape."""
         self._assert_state(HandleState.UNSHARDED, "use_unsharded_views")
         self._check_params_not_replaced()
         for view, slot_owners in zip(self._unsharded_views(), self._owners):
             for module, name in slot_owners:
-                _assign_plain(module, name, view, self._unsafe_setattr)
+                if self._use_orig_params:
+                    module.__dict__.pop(name, None)
+                    module._parameters[name] = view  # type: ignore[assignment]
+                else:
+                    _assign_plain(module, name, view, self._unsafe_setattr)
 
     def _check_params_not_replaced(self) -> None:
         """Raise if the user registered another parameter where this unit manages one: FSDP
@@ -460,9 +490,12 @@ class FlatParamHandle:
         for index, (param, slot_owners) in enumerate(zip(self._orig_params, self._owners)):
             for module, name in slot_owners:
                 current = module._parameters.get(name)
-                # Registered there: the original (use_orig_params, while sharded) or nothing
-                # (our plain views, or flat parameters); any other Parameter is the user's.
-                if current is not None and not (self._use_orig_params and current is param):
+                # Registered there: the original (use_orig_params, while sharded), our view
+                # (use_orig_params, in forward: a plain tensor, which setattr cannot register)
+                # or nothing (flat parameters); any other Parameter is the user's.
+                if isinstance(current, nn.Parameter) and not (
+                    self._use_orig_params and current is param
+                ):
                     fqn = self.param_fqns[index]
                     raise RuntimeError(
                         f"the parameter {fqn} of FSDP unit '{self.label}' was replaced after "
@@ -470,6 +503,82 @@ class FlatParamHandle:
                         "parameters it found at wrapping time. Replace, resize or tie "
                         "parameters before wrapping (or load new values through load_state_dict"
                         " or summon_full_params(writeback=True))"
+                    )
+
+    def _write_back_orig_params(self) -> None:
+        """``use_orig_params``, before the shards are gathered: adopt what the user did to the
+        original parameters since they were last given their shard pieces (see [Note: original
+        parameters changed after wrapping])."""
+        if not self._use_orig_params:
+            return
+        changed = False
+        ours = {id(param): index for index, param in enumerate(self._orig_params)}
+        for segment in self._segments:
+            views = segment.sharded_piece_views(segment.flat_param)
+            for index, view in zip(segment.indices, views):
+                param = self._registered_orig_param(index, view, ours)
+                if param is None:  # unregistered for now (summon, state dicts): nothing to adopt
+                    continue
+                if param is not self._orig_params[index]:
+                    self._orig_params[index] = param  # its .grad, if any, is not kept (torch)
+                    changed = True
+                if view.numel() > 0 and param.data_ptr() != view.data_ptr():
+                    with torch.no_grad():
+                        view.copy_(param.detach())
+                    changed = True
+        if changed:
+            self._use_sharded_params()
+
+    def _registered_orig_param(
+        self, index: int, view: torch.Tensor, ours: dict[int, int]
+    ) -> nn.Parameter | None:
+        """The Parameter the owners of parameter ``index`` hold now, if it can be written back
+        into ``view`` (its shard piece): the same object in every owner, not another of this
+        unit's parameters (``ours``: their indices by id), and of the piece's shape."""
+        held = [module._parameters.get(name) for module, name in self._owners[index]]
+        param = held[0]
+        if param is None or not isinstance(param, nn.Parameter):
+            return None
+        fqn = self.param_fqns[index]
+        if any(p is not param for p in held) or ours.get(id(param), index) != index:
+            raise RuntimeError(
+                f"the parameter {fqn} of FSDP unit '{self.label}' was replaced after "
+                "FullyShardedDataParallel wrapped the model, by another of the unit's "
+                "parameters or differently in the modules sharing it; FSDP cannot change "
+                "which parameters are shared. Tie or untie parameters before wrapping"
+            )
+        if param.shape != view.shape:
+            raise RuntimeError(
+                "Cannot writeback when the parameter shape changes\n"
+                f"Expects {view.shape} but got {param.shape}: the parameter {fqn} of FSDP unit "
+                f"'{self.label}' was replaced after FullyShardedDataParallel wrapped the model "
+                "(or its .data was). With use_orig_params=True each original parameter holds "
+                "this rank's piece of its shard outside forward, so only a tensor of that shape "
+                "can be written back. Replace, resize or tie parameters before wrapping (or "
+                "load new values through load_state_dict or summon_full_params(writeback=True))"
+            )
+        return param
+
+    def check_orig_params_kept(self) -> None:
+        """At a pre-backward of a unit still unsharded since its forward: its original
+        parameters must not have been replaced since that forward (the step's graph holds
+        views of the unsharded parameters, which a change would silently bypass)."""
+        if not self._use_orig_params:
+            return
+        for segment in self._segments:
+            views = segment.sharded_piece_views(segment.flat_param)
+            for index, view in zip(segment.indices, views):
+                param = self._orig_params[index]
+                held = [module._parameters.get(name) for module, name in self._owners[index]]
+                replaced = any(p is not param for p in held)
+                moved = view.numel() > 0 and param.data_ptr() != view.data_ptr()
+                if replaced or moved:
+                    raise OrigParamChangedError(
+                        "FSDP does not support changing the parameters between forward and "
+                        f"backward for {self.sharding_strategy}: the parameter {self.param_fqns[index]} "
+                        f"of FSDP unit '{self.label}' was "
+                        f"{'replaced' if replaced else 'given new .data'} after its forward; "
+                        "change parameters outside the forward-backward of a step (or in place)"
                     )
 
     # -- state transitions ------------------------------------------------------------------
@@ -507,6 +616,7 @@ class FlatParamHandle:
         the compute dtype's bytes.
         """
         self._assert_state(HandleState.SHARDED, "unshard")
+        self._write_back_orig_params()
         dtype = self._dtype_for(full_precision)
         in_flight = False
         for index, segment in enumerate(self._segments):

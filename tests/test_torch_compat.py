@@ -8,6 +8,7 @@ from a wrapper. On 2 gloo ranks.
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
@@ -349,3 +350,163 @@ def test_summon_under_a_plain_root_lists_each_parameter_once(use_orig_params: bo
     lists every parameter once at full size: flat parameters are unregistered meanwhile, as
     in torch (before: each unit's flat shard was listed too)."""
     run_on_ranks(2, _summon_under_a_plain_root, use_orig_params)
+
+
+# -- use_orig_params: original parameters changed by the user after wrapping -----------------
+
+STRATEGIES = [
+    ShardingStrategy.FULL_SHARD,
+    ShardingStrategy.SHARD_GRAD_OP,
+    ShardingStrategy.NO_SHARD,
+]
+
+
+def _two_linears() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 5), nn.ReLU(), nn.Linear(5, 7))
+
+
+def _changed_orig_params(strategy: ShardingStrategy, change: str) -> None:
+    local = _two_linears()
+    fsdp = FSDP(
+        _two_linears(),
+        sharding_strategy=strategy,
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+        use_orig_params=True,
+    )
+    inner = fsdp.module
+    # The user changes a parameter as torch's FSDP lets them: its .data, or the Parameter
+    # itself, replaced by one of the same (this rank's flattened piece) shape.
+    for linear in (local[2], inner[2].module):
+        param = linear.weight
+        if change == "data":
+            param.data = torch.full_like(param, 2.0)
+        else:
+            linear.weight = nn.Parameter(torch.full_like(param, 2.0))
+    with FSDP.summon_full_params(fsdp):  # written back before the parameters are gathered
+        for (name, ours), (_, theirs) in zip(inner.named_parameters(), local.named_parameters()):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0, msg=name)
+    # The new Parameter is the one FSDP trains from now on: an optimizer over it steps it.
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (local, fsdp)]
+    for step in range(2):
+        torch.manual_seed(step)  # the same batch on every rank: the local model's too
+        batch = torch.randn(4, 5)
+        for model, optim in zip((local, fsdp), optims):
+            model(batch).pow(2).sum().backward()
+            optim.step()
+            optim.zero_grad()
+    with FSDP.summon_full_params(fsdp):
+        for (name, ours), (_, theirs) in zip(inner.named_parameters(), local.named_parameters()):
+            torch.testing.assert_close(ours, theirs, msg=name)
+
+
+@pytest.mark.parametrize("change", ["data", "variable"])
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
+def test_original_parameters_changed_after_wrapping_are_written_back(
+    strategy: ShardingStrategy, change: str
+) -> None:
+    """use_orig_params=True: a parameter whose .data was replaced, or that was replaced by a
+    Parameter of its piece's shape, is written back into the shard before the next gather
+    (summon, forward), and the new Parameter trains, as in torch. Before: the change was
+    silently ignored (.data), and the summon showed the old values."""
+    run_on_ranks(2, _changed_orig_params, strategy, change)
+
+
+def _writeback_shape_changed() -> None:
+    fsdp = FSDP(_two_linears(), use_orig_params=True)
+    weight = fsdp.module[0].weight
+    fsdp.module[0].weight = nn.Parameter(torch.zeros(weight.numel() + 1))
+    with (
+        pytest.raises(RuntimeError, match=r"^Cannot writeback when the parameter shape changes"),
+        FSDP.summon_full_params(fsdp),
+    ):
+        pass
+
+
+def test_writeback_of_another_shape_raises() -> None:
+    """A replacement whose shape is not the piece's cannot be written back: torch's error."""
+    run_on_ranks(2, _writeback_shape_changed)
+
+
+def _changed_between_forward_and_backward(change: str) -> None:
+    fsdp = FSDP(
+        _two_linears(),
+        sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+        use_orig_params=True,
+    )
+    loss = fsdp(torch.randn(2, 5)).sum()
+    linear = fsdp.module[0].module
+    if change == "data":
+        linear.weight.data = linear.weight.detach().clone()
+    else:
+        linear.weight = nn.Parameter(linear.weight.detach().clone())
+    with pytest.raises(
+        AssertionError,
+        match=re.escape(
+            "FSDP does not support changing the parameters between forward and backward for "
+            "ShardingStrategy.SHARD_GRAD_OP: the parameter weight of FSDP unit '0'"
+        ),
+    ) as info:
+        loss.backward()
+    assert isinstance(info.value, RuntimeError)
+
+
+@pytest.mark.parametrize("change", ["data", "variable"])
+def test_changing_parameters_between_forward_and_backward_raises(change: str) -> None:
+    """A unit kept unsharded after forward (SHARD_GRAD_OP): a parameter changed before its
+    backward would be bypassed by the graph's views; its pre-backward raises torch's error."""
+    run_on_ranks(2, _changed_between_forward_and_backward, change)
+
+
+class _Regularised(nn.Module):
+    """A forward that reads its own parameters (a weight penalty), as users' models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(5, 5)
+        self.seen: list[tuple[str, torch.Size]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        named = list(self.named_parameters())
+        self.seen = [(name, p.shape) for name, p in named]
+        penalty = sum(p.pow(2).sum() for _, p in named)
+        return self.lin(x).sum() + penalty
+
+
+def _named_parameters_in_forward(strategy: ShardingStrategy) -> None:
+    local = _Regularised()
+    fsdp = FSDP(_Regularised(), sharding_strategy=strategy, use_orig_params=True)
+    torch.manual_seed(1)
+    batch = torch.randn(2, 5)
+    expected = local(batch)
+    loss = fsdp(batch)
+    assert (
+        fsdp.module.seen
+        == local.seen
+        == [
+            ("lin.weight", torch.Size([5, 5])),
+            ("lin.bias", torch.Size([5])),
+        ]
+    )
+    torch.testing.assert_close(loss, expected)
+    expected.backward()
+    loss.backward()
+    with FSDP.summon_full_params(fsdp, with_grads=True):
+        for (name, ours), (_, theirs) in zip(
+            fsdp.module.named_parameters(), local.named_parameters()
+        ):
+            torch.testing.assert_close(ours.grad, theirs.grad, msg=name)
+    # Between steps the modules list the original Parameters again.
+    assert all(isinstance(p, nn.Parameter) for p in fsdp.module.parameters())
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
+def test_named_parameters_inside_forward_lists_the_original_parameters(
+    strategy: ShardingStrategy,
+) -> None:
+    """use_orig_params=True: named_parameters() inside the forward gives each original
+    parameter under its name at full shape, as torch's; a weight penalty computed there
+    trains like the local model's (before: the list was empty, the penalty silently 0)."""
+    run_on_ranks(2, _named_parameters_in_forward, strategy)
