@@ -82,6 +82,9 @@ class _Settings:
     ignored_params: tuple[nn.Parameter, ...]
     param_init_fn: Callable[[nn.Module], None] | None
     sync_module_states: bool
+    use_full_prec_in_eval: bool
+    """``FSDP_USE_FULL_PREC_IN_EVAL=1``, read before anything that may communicate (ranks
+    that are threads of one process share the environment, and one may set it meanwhile)."""
 
 
 def _not_yet(option: str, issue: str) -> NotImplementedError:
@@ -159,6 +162,7 @@ def _resolve_settings(kwargs: dict[str, Any]) -> _Settings:
             f"overrides?); valid options are {sorted(_CONSTRUCTOR_OPTIONS)}"
         )
     _check_supported(kwargs)
+    use_full_prec_in_eval = os.environ.get(_USE_FULL_PREC_IN_EVAL, "") == "1"
     strategy = kwargs.get("sharding_strategy") or ShardingStrategy.FULL_SHARD
     if not isinstance(strategy, ShardingStrategy):
         raise TypeError(f"sharding_strategy must be a fullshard.ShardingStrategy, got {strategy!r}")
@@ -200,6 +204,7 @@ def _resolve_settings(kwargs: dict[str, Any]) -> _Settings:
         ignored_params=ignored_params,
         param_init_fn=param_init_fn,
         sync_module_states=bool(kwargs.get("sync_module_states", False)),
+        use_full_prec_in_eval=use_full_prec_in_eval,
     )
 
 
@@ -309,7 +314,7 @@ class FullyShardedDataParallel(nn.Module):
         self._settings = settings
         self._use_orig_params = settings.use_orig_params
         self.limit_all_gathers = settings.limit_all_gathers
-        self._use_full_prec_in_eval = os.environ.get(_USE_FULL_PREC_IN_EVAL, "") == "1"
+        self._use_full_prec_in_eval = settings.use_full_prec_in_eval
         self.sharding_strategy = settings.strategy
         self.process_group = settings.groups.shard
         self._ignored_modules = _init_utils.expand_ignored(module, settings.ignored_modules)
