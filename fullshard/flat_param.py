@@ -252,6 +252,8 @@ class FlatParamHandle:
         [Note: optimizer in backward]); set at lazy initialisation."""
         self.exposes_unsharded_params = False
         """Inside ``summon_full_params``: modules see the full parameters as Parameters."""
+        self._exposes_unsharded_grads = False
+        """Inside ``summon_full_params(with_grads=True)``: original ``.grad`` s are full."""
         self._release_orig_params()
 
     # -- construction -------------------------------------------------------------------
@@ -879,6 +881,25 @@ class FlatParamHandle:
         for index, view in zip(segment.indices, segment.views_of_flat(full_grad)):
             param = self._orig_params[index]
             _assign_grad(param, view if param.requires_grad else None)
+        self._exposes_unsharded_grads = True
+
+    def _write_back_grads(self) -> None:
+        """``summon_full_params(with_grads=True, writeback=True)``: copy this rank's pieces of
+        the full gradients (edited in the summon) into the sharded gradient, as torch's
+        ``_writeback_to_local_shard(handle, writeback_grad=True)``. A rank that had no sharded
+        gradient keeps none (its zeros were only a stand-in for the all-gather), as in torch."""
+        flat_grad = self.flat_param.grad
+        if flat_grad is None:
+            return
+        segment = self._segments[0]
+        views = segment.sharded_piece_views(flat_grad)
+        for index, piece, view in zip(segment.indices, segment.pieces, views):
+            grad = self._orig_params[index].grad
+            if grad is None or piece is None or grad.data_ptr() == view.data_ptr():
+                continue  # no piece here, or NO_SHARD: the full grad is the sharded one
+            source = grad.detach().reshape(-1)[piece.param_start : piece.param_start + piece.numel]
+            with torch.no_grad():
+                view.view(-1).copy_(source)
 
     def hide_unsharded_params(self, writeback: bool) -> None:
         """Undo ``expose_unsharded_params``; with ``writeback`` keep edits made to them.
@@ -886,12 +907,15 @@ class FlatParamHandle:
         Where the handle was resharded inside the summon (an internal error, then reported),
         modules still lose the exposed parameters, so the model stays usable."""
         self.exposes_unsharded_params = False
+        grads_exposed, self._exposes_unsharded_grads = self._exposes_unsharded_grads, False
         if self.state != HandleState.UNSHARDED:
             self._drop_exposed_params()
             self._assert_state(HandleState.UNSHARDED, "hide_unsharded_params")
         if writeback:
             for segment in self._segments:
                 segment.write_back()
+            if grads_exposed:
+                self._write_back_grads()
         if not self._use_orig_params:
             for view, slot_owners in zip(self._unsharded_views(), self._owners):
                 for module, name in slot_owners:

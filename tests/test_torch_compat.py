@@ -510,3 +510,39 @@ def test_named_parameters_inside_forward_lists_the_original_parameters(
     parameter under its name at full shape, as torch's; a weight penalty computed there
     trains like the local model's (before: the list was empty, the penalty silently 0)."""
     run_on_ranks(2, _named_parameters_in_forward, strategy)
+
+
+def _grads_edited_in_summon(strategy: ShardingStrategy, writeback: bool) -> None:
+    local = _two_linears()
+    fsdp = FSDP(
+        _two_linears(),
+        sharding_strategy=strategy,
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+        use_orig_params=True,
+    )
+    torch.manual_seed(0)  # the same batch on every rank
+    batch = torch.randn(4, 5)
+    for model in (local, fsdp):
+        model(batch).pow(2).sum().backward()
+    with FSDP.summon_full_params(fsdp, with_grads=True, writeback=writeback):
+        for param in fsdp.parameters():
+            param.grad *= 3.0
+    # Kept with writeback (as torch); without, the summon's full gradients were copies (the
+    # sharded ones are unchanged), except NO_SHARD's, which are the gradients themselves.
+    factor = 3.0 if writeback or strategy == ShardingStrategy.NO_SHARD else 1.0
+    with FSDP.summon_full_params(fsdp, with_grads=True):
+        for (name, ours), (_, theirs) in zip(
+            fsdp.module.named_parameters(), local.named_parameters()
+        ):
+            torch.testing.assert_close(ours.grad, theirs.grad * factor, msg=name)
+
+
+@pytest.mark.parametrize("writeback", [True, False], ids=["writeback", "no-writeback"])
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
+def test_gradients_edited_inside_summon_with_grads(
+    strategy: ShardingStrategy, writeback: bool
+) -> None:
+    """summon_full_params(with_grads=True, writeback=True): gradients edited inside are
+    written back into the sharded gradient, as torch's (before: silently dropped under the
+    sharded strategies)."""
+    run_on_ranks(2, _grads_edited_in_summon, strategy, writeback)
