@@ -10,7 +10,7 @@ rank:
   parameter ``.grad``;
 - sharded grad: the ``.grad`` storage a rank holds after a synchronised backward;
 - reduce-scatter: the bytes it sends reducing one step's gradients (ring estimate, input
-  bytes x (N - 1) / N, as ``fullshard._collectives`` counts);
+  bytes x (N - 1) / N, as ``fullshard._comm.collectives`` counts);
 - Adam state: ``exp_avg`` and ``exp_avg_sq`` after one step;
 - predicted: ``fullshard.memory.estimate``'s gradient bytes with ``trainable_numels``.
 
@@ -174,7 +174,7 @@ def _measure(engine: str, args: argparse.Namespace) -> dict[str, Any]:
     with wrapped.no_sync():  # type: ignore[operator]
         _step(wrapped, idx)
     unsharded = max(_unsharded_grad_numel(engine, handle) for handle in handles) * 4
-    from fullshard._collectives import COUNTERS
+    from fullshard._comm.collectives import COUNTERS
 
     COUNTERS.reset()
     with _ReduceScatterBytes() as torch_sent:

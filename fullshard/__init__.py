@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from . import wrap
-    from ._collectives import CollectiveError, CollectiveMismatchError
+    from ._comm.collectives import CollectiveError, CollectiveMismatchError
     from .api import (
         BackwardPrefetch,
         CPUOffload,
@@ -38,8 +38,8 @@ if TYPE_CHECKING:
 
 _HOMES = {
     "BackwardPrefetch": "api",
-    "CollectiveError": "_collectives",
-    "CollectiveMismatchError": "_collectives",
+    "CollectiveError": "_comm.collectives",
+    "CollectiveMismatchError": "_comm.collectives",
     "CPUOffload": "api",
     "FullOptimStateDictConfig": "api",
     "FullStateDictConfig": "api",

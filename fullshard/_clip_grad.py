@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from . import _collectives as comm
+from ._comm import collectives as comm
 from ._traversal import _get_fsdp_handles
 
 if TYPE_CHECKING:

@@ -57,8 +57,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import _collectives as comm
 from . import api
+from ._comm import collectives as comm
 from ._traversal import CHECKPOINT_WRAPPED_MODULE, FSDP_WRAPPED_MODULE
 from .flat_param import FlatParameter
 

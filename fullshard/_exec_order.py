@@ -12,7 +12,7 @@ the same with torch's texts:
 - later iterations: each rank compares its order with its own first iteration's and warns
   once, ``"Forward order differs from that of the first iteration on rank R. ..."``. torch
   then lets the mismatched all-gathers run (a wrong result, or a hang); fullshard's own
-  mismatch detection (see [Note: mismatch detection] in _collectives.py, and the shared-
+  mismatch detection (see [Note: mismatch detection] in _comm/collectives.py, and the shared-
   memory transport's signatures) raises at the first collective that pairs different units.
 """
 

@@ -28,9 +28,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import _collectives as comm
+from ._comm import collectives as comm
+from ._comm.groups import ShardingGroups
 from ._layout import FlatLayout, ShardPiece
-from ._process_groups import ShardingGroups
 
 __all__ = ["FlatParameter", "FlatSegment"]
 

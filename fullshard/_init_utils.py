@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _collectives as comm
-from ._process_groups import ShardingGroups
+from ._comm import collectives as comm
+from ._comm.groups import ShardingGroups
 
 __all__: list[str] = []
 

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import _collectives as comm
+from ._comm import collectives as comm
 from ._state_dict import _check_idle, _copied, _plan, _sharded_value, _units
 from .flat_param import FlatParameter, FlatParamHandle
 

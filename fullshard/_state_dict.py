@@ -37,9 +37,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from . import _collectives as comm
+from ._comm import collectives as comm
+from ._comm.groups import ShardingGroups
 from ._flat_segment import FlatSegment
-from ._process_groups import ShardingGroups
 from ._traversal import (
     CHECKPOINT_WRAPPED_MODULE,
     FLAT_PARAM_NAMES,

@@ -246,15 +246,15 @@ def _autocast(engine: str, args: argparse.Namespace) -> bool:
 
 def _shared_memory_bytes() -> int:
     """Bytes this rank wrote into fullshard's shared-memory transport (its sends)."""
-    if "fullshard._shared_memory" not in sys.modules:
+    if "fullshard._comm.shared_memory" not in sys.modules:
         return 0
-    from fullshard import _shared_memory
+    from fullshard._comm import shared_memory as _shared_memory
 
     return _shared_memory.BYTES_WRITTEN
 
 
 def _fullshard_bytes() -> float:
-    from fullshard._collectives import COUNTERS
+    from fullshard._comm.collectives import COUNTERS
 
     return COUNTERS.total_bytes
 

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _collectives as comm
+from ._comm import collectives as comm
+from ._comm.groups import ShardingGroups, gradient_divide_factors
 from ._flat_segment import FlatParameter, FlatSegment
 from ._layout import ParamSlot, ShardPiece, UnitLayout, make_unit_layout
-from ._process_groups import ShardingGroups, gradient_divide_factors
 from .api import MixedPrecision, ShardingStrategy
 
 __all__ = ["FlatParamHandle", "FlatParameter", "HandleState"]

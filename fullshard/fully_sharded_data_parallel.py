@@ -21,9 +21,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import _dcp_state_dict, _init_utils, _optim_state_dict, _state_dict
+from ._comm.groups import ShardingGroups, effective_strategy, resolve_groups
 from ._compile import eager, eager_frame
 from ._optim_state_dict import OptimStateKeyType
-from ._process_groups import ShardingGroups, effective_strategy, resolve_groups
 from ._runtime import RootState, TrainingState, UnitRuntime, iter_tensors, map_tensors
 from ._traversal import FLAT_PARAM_NAMES, FSDP_WRAPPED_MODULE, clean_fqn, flat_param_owner
 from .api import (

@@ -34,6 +34,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
+from ._comm.constants import SHARED_MEMORY_CELL_BYTES as SHARED_MEMORY_CELL_BYTES
+from ._comm.constants import SHARED_MEMORY_SLOTS
+
 if TYPE_CHECKING:  # no torch at import: `fullshard plan` answers without loading it
     from .api import ShardingStrategy
 
@@ -51,10 +54,6 @@ Strategy = Union["ShardingStrategy", str]
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 _KEEPS_UNSHARDED_AFTER_FORWARD = ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2")
 _HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
-SHARED_MEMORY_SLOTS = 4
-"""The shared-memory transport's slots (``fullshard._shared_memory`` uses this constant)."""
-SHARED_MEMORY_CELL_BYTES = 4 * 2**20
-"""The transport's default cell (``FULLSHARD_SHM_CELL_MIB`` unset)."""
 _PAGE = 4096
 
 
@@ -214,7 +213,7 @@ def communication_bytes(
     trainable_numels: list[int] | None = None,
     root_trainable_numel: int | None = None,
 ) -> int:
-    """Bytes one rank sends per training step (ring estimate, as ``fullshard._collectives``
+    """Bytes one rank sends per training step (ring estimate, as ``fullshard._comm.collectives``
     counts them): with G ranks sharding a unit of B bytes, an all-gather or a reduce-scatter
     sends ``B (G - 1) / G``; an all-reduce twice that. FULL_SHARD gathers every unit twice
     (forward and backward; the root once) and reduce-scatters its gradient once;

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import GradScaler, OptState
 
-from . import _collectives as comm
+from ._comm import collectives as comm
 
 __all__ = ["ShardedGradScaler"]
 

@@ -22,7 +22,7 @@ from torch import nn
 
 import fullshard.checkpoint as ckpt
 from fullshard import FullyShardedDataParallel as FSDP
-from fullshard import _collectives as comm
+from fullshard._comm import collectives as comm
 from fullshard.wrap import ModuleWrapPolicy
 
 FAULT_STEP = 2

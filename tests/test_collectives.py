@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fullshard import _collectives as comm
+from fullshard._comm import collectives as comm
 from harness import run_on_ranks
 
 RINGS = {"FULLSHARD_SHM": "0"}
@@ -75,7 +75,7 @@ def test_rings_in_flight_together_do_not_mix() -> None:
 def test_counters_keep_a_bounded_history_of_labels() -> None:
     """Counts and bytes keep adding up forever; the per-call label history keeps only the
     most recent calls, so a long training run does not grow it without bound."""
-    from fullshard._collectives import _KEPT_LABELS, CollectiveCounters
+    from fullshard._comm.collectives import _KEPT_LABELS, CollectiveCounters
 
     counters = CollectiveCounters()
     for call in range(_KEPT_LABELS + 5):

@@ -32,7 +32,7 @@ from fullshard import (
     StateDictType,
 )
 from fullshard import FullyShardedDataParallel as FSDP
-from fullshard._collectives import COUNTERS
+from fullshard._comm.collectives import COUNTERS
 from fullshard.wrap import ModuleWrapPolicy
 from harness import run_on_ranks
 from models import LoRABlock, LoRAStack

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fullshard._comm.groups import gradient_divide_factors
 from fullshard._layout import make_layout, make_unit_layout, padded_numel
-from fullshard._process_groups import gradient_divide_factors
 from fullshard._runtime import HandleTrainingState, TrainingState, map_tensors
 from fullshard.flat_param import HandleState
 

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fullshard import FullyShardedDataParallel as FSDP
 from fullshard import ShardingStrategy
-from fullshard._collectives import COUNTERS
+from fullshard._comm.collectives import COUNTERS
 from fullshard.wrap import ModuleWrapPolicy
 from harness import run_on_ranks
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fullshard import _collectives as comm
-from fullshard import _shared_memory as shm
+from fullshard._comm import collectives as comm
+from fullshard._comm import shared_memory as shm
 from harness import RankError, run_on_ranks
 
 pytestmark = pytest.mark.skipif(

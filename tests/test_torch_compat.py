@@ -160,7 +160,7 @@ def _two_paths() -> FSDP:
 
 def _exec_order(first_iteration: bool) -> list[str]:
     """Under DETAIL, rank 1 takes the other path in the first or the second iteration."""
-    import fullshard._collectives as comm
+    import fullshard._comm.collectives as comm
 
     previous = dist.get_debug_level()
     dist.set_debug_level(dist.DebugLevel.DETAIL)
@@ -295,7 +295,7 @@ class _Prefetching(nn.Module):
 
 
 def _explicit_prefetch(use_orig_params: bool) -> None:
-    from fullshard._collectives import COUNTERS
+    from fullshard._comm.collectives import COUNTERS
 
     local = _Prefetching()
     model = _Prefetching()

@@ -16,7 +16,7 @@ if _FAULT and os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RES
 
     import torch.distributed.checkpoint as dcp
 
-    from fullshard import _collectives as comm
+    from fullshard._comm import collectives as comm
 
     _calls: Counter[str] = Counter()
 

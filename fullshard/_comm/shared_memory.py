@@ -28,7 +28,7 @@ returns; ``wait()`` makes progress on every outstanding piece, in order, of ever
 of the process (a peer may be waiting for this rank's pieces in another group), until its
 own are read. A rank is only ever blocked on pieces every rank has already issued or will
 issue before blocking itself, so there is no deadlock; before it blocks anywhere else it
-drains the transport ([Note: draining] in ``_collectives.py``). The copies run in the
+drains the transport ([Note: draining] in ``collectives.py``). The copies run in the
 caller's thread; there are no transport threads.
 
 - all-gather: rank q writes its shard (a range of it per piece); every rank copies the
@@ -66,13 +66,15 @@ import warnings
 import weakref
 import zlib
 from collections import deque
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from .memory import SHARED_MEMORY_CELL_BYTES, SHARED_MEMORY_SLOTS
+from .constants import SHARED_MEMORY_CELL_BYTES, SHARED_MEMORY_SLOTS
 
 __all__: list[str] = []
 
@@ -145,7 +147,7 @@ class Op:
     def __init__(self, kind: str, numel: int, dtype: torch.dtype, piece_numel: int) -> None:
         self.kind, self.label, self.dtype = kind, "", dtype
         self.full_numel = 0
-        """The unsharded tensor's element count (as `_collectives` names collectives)."""
+        """The unsharded tensor's element count (as `collectives` names collectives)."""
         self.numel, self.piece_numel = numel, max(1, piece_numel)
         self.num_pieces = -(-numel // self.piece_numel)
         self.signature = 0
@@ -474,11 +476,17 @@ _TRANSPORTS: weakref.WeakKeyDictionary[dist.ProcessGroup, Transport | None] = (
 )
 
 
-def transport_for(group: dist.ProcessGroup, tensor: torch.Tensor) -> Transport | None:
+Guard = Callable[[str, dist.ProcessGroup], AbstractContextManager[None]]
+"""Wraps the setup's blocking exchanges: ``collectives.named``, which drains the other
+transports first and names a lost peer (passed in, so this module imports nothing of the
+collectives built on it)."""
+
+
+def transport_for(group: dist.ProcessGroup, tensor: torch.Tensor, guard: Guard) -> Transport | None:
     """The transport for a collective over ``group`` on ``tensor``, or None to use gloo: for
     CUDA tensors, with FULLSHARD_SHM=0, off x86-64, for NCCL groups, and where the ranks
     cannot share a file (other hosts, no /dev/shm). Set up at the group's first eligible
-    collective, which every rank reaches at the same point."""
+    collective, which every rank reaches at the same point, its exchanges under ``guard``."""
     if tensor.device.type != "cpu" or os.environ.get("FULLSHARD_SHM", "1") == "0":
         return None
     try:
@@ -487,7 +495,7 @@ def transport_for(group: dist.ProcessGroup, tensor: torch.Tensor) -> Transport |
         pass
     transport = None
     if dist.get_world_size(group) > 1 and dist.get_backend(group) == dist.Backend.GLOO:
-        transport = _set_up(group)
+        transport = _set_up(group, guard)
     _TRANSPORTS[group] = transport
     if transport is not None:
         weakref.finalize(group, transport.close)
@@ -524,12 +532,10 @@ _SETUP = (
 )
 
 
-def _set_up(group: dist.ProcessGroup) -> Transport | None:
+def _set_up(group: dist.ProcessGroup, named: Guard) -> Transport | None:
     """Create the group's file on its first rank, map it everywhere, unlink it. A first
     vote makes sure every rank is here before the file exists (so a rank that never arrives
     cannot leave it behind); where any rank cannot take part, every rank gets None."""
-    from ._collectives import named
-
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
     global_ranks = dist.get_process_group_ranks(group)
     cell_bytes = _cell_bytes()  # every rank checks its setting; rank 0's is used

@@ -3,7 +3,7 @@
 Every function issues its collective and returns a `Pending`: callers issue early and wait
 where the data is needed. Three transports carry them: on gloo groups whose ranks share a
 host, all-gathers and reduce-scatters of CPU tensors go through shared memory
-([Note: shared-memory transport] in ``_shared_memory.py``); other gloo all-gathers and
+([Note: shared-memory transport] in ``shared_memory.py``); other gloo all-gathers and
 reduce-scatters run as rings of ``isend``/``irecv`` ([Note: rings on gloo]); everything
 else is c10d's own collective with ``async_op=True``. Each call is recorded in
 ``COUNTERS`` (one per process) with the bytes one rank sends, by the ring estimate:
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from . import _shared_memory as _shm
+from . import shared_memory as _shm
 
 __all__: list[str] = []
 
@@ -357,7 +357,7 @@ def all_gather_into(
         _check_agreement("all_gather", label, output, group)
     COUNTERS.record("all_gather", label, _tensor_bytes(output) * (num_ranks - 1) / num_ranks)
     with record_function(f"fullshard::all_gather({label})"):
-        transport = _shm.transport_for(group, output)
+        transport = _shm.transport_for(group, output, named)
         if transport is not None:
             issue = functools.partial(transport.all_gather, output, shard, label)
             return _SharedMemoryPending("all_gather", label, group, transport, issue)
@@ -404,7 +404,7 @@ def reduce_scatter_into(
         _check_agreement("reduce_scatter", label, full, group)
     COUNTERS.record("reduce_scatter", label, _tensor_bytes(full) * (num_ranks - 1) / num_ranks)
     with record_function(f"fullshard::reduce_scatter({label})"):
-        transport = _shm.transport_for(group, full)
+        transport = _shm.transport_for(group, full, named)
         if transport is not None:
             issue = functools.partial(transport.reduce_scatter, output, full, predivide, label)
             return _SharedMemoryPending("reduce_scatter", label, group, transport, issue)

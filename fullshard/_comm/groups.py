@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .api import ShardingStrategy
+from ..api import ShardingStrategy
 
 __all__: list[str] = []
 
