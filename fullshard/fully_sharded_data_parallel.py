@@ -87,17 +87,6 @@ class _Settings:
     that are threads of one process share the environment, and one may set it meanwhile)."""
 
 
-def _not_yet(option: str, issue: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"fullshard does not support {option} yet ({issue}); remove the argument or use "
-        "torch.distributed.fsdp for now"
-    )
-
-
-def _check_supported(kwargs: dict[str, Any]) -> None:
-    """Refuse, by name, options whose behaviour is not built yet: nothing is silently ignored."""
-
-
 def _resolve_mixed_precision(mixed_precision: Any) -> MixedPrecision | None:
     if mixed_precision is None:
         return None
@@ -161,7 +150,6 @@ def _resolve_settings(kwargs: dict[str, Any]) -> _Settings:
             f"unknown FullyShardedDataParallel options {sorted(unknown)} (from a wrap policy's "
             f"overrides?); valid options are {sorted(_CONSTRUCTOR_OPTIONS)}"
         )
-    _check_supported(kwargs)
     use_full_prec_in_eval = os.environ.get(_USE_FULL_PREC_IN_EVAL, "") == "1"
     strategy = kwargs.get("sharding_strategy") or ShardingStrategy.FULL_SHARD
     if not isinstance(strategy, ShardingStrategy):
