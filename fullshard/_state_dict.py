@@ -175,13 +175,16 @@ def _plain_value(entry: _Entry, config: StateDictConfig) -> Any:
     return value
 
 
-_MESHES: dict[tuple[int, int, str], DeviceMesh] = {}
+_MESHES: dict[tuple[dist.ProcessGroup, dist.ProcessGroup | None, str], DeviceMesh] = {}
+"""Keyed by the group objects themselves (as ``_comm.groups`` keys its groups), not their
+ids: a group created after another was destroyed can reuse its id, and would be given the
+destroyed group's mesh."""
 
 
 def _mesh(groups: ShardingGroups, device_type: str) -> DeviceMesh:
     """The unit's ranks as a device mesh: 1-D over the shard group, or 2-D (replicate,
     shard) for hybrid strategies; cached per group pair."""
-    key = (id(groups.shard), id(groups.replicate), device_type)
+    key = (groups.shard, groups.replicate, device_type)
     if key not in _MESHES:
         if groups.replicate is None:
             mesh = DeviceMesh.from_group(groups.shard, device_type)
