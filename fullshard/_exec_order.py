@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from ._runtime import UnitRuntime
+    from .flat_param import FlatParamHandle
 
 __all__ = ["ExecOrderValidator", "validation_enabled"]
 
@@ -37,8 +37,11 @@ def validation_enabled() -> bool:
 class ExecOrderValidator:
     """Records the units' forward order per training iteration and checks it (see the Note)."""
 
-    def __init__(self, units: list[UnitRuntime]) -> None:
-        self._index = {id(unit): i for i, unit in enumerate(units)}
+    def __init__(self, handles: list[FlatParamHandle | None]) -> None:
+        """``handles``: the root's units' handles, in unit order (None: a unit with no
+        parameters, which never all-gathers)."""
+        self._index = {id(handle): i for i, handle in enumerate(handles) if handle is not None}
+        self._names = [_label(handle) for handle in handles]
         self._first: list[int] | None = None
         """The first iteration's order (unit indices), once it is over."""
         self._current: list[int] = []
@@ -49,13 +52,13 @@ class ExecOrderValidator:
             self._first = self._current
         self._current = []
 
-    def record(self, unit: UnitRuntime) -> None:
-        """Before ``unit``'s all-gather in a training forward."""
-        index = self._index[id(unit)]
+    def record(self, handle: FlatParamHandle) -> None:
+        """Before ``handle``'s all-gather in a training forward."""
+        index = self._index[id(handle)]
         position = len(self._current)
         self._current.append(index)
         if self._first is None:
-            self._check_across_ranks(unit, index)
+            self._check_across_ranks(handle, index)
         elif not self._warned and (position >= len(self._first) or self._first[position] != index):
             self._warned = True
             expected = self._first[position] if position < len(self._first) else None
@@ -63,19 +66,17 @@ class ExecOrderValidator:
                 f"Forward order differs from that of the first iteration on rank "
                 f"{dist.get_rank()}. Collectives are checked by fullshard, which raises if "
                 f"ranks pair different units. Unit {position} of the forward is unit index "
-                f"{index} ({_label(unit)}), was unit index {expected} in the first iteration",
+                f"{index} ({self._names[index]}), was unit index {expected} in the first iteration",
                 stacklevel=2,
             )
 
-    def _check_across_ranks(self, unit: UnitRuntime, index: int) -> None:
-        handle = unit.handle
-        assert handle is not None
+    def _check_across_ranks(self, handle: FlatParamHandle, index: int) -> None:
         mine = torch.tensor([index], dtype=torch.int64, device=handle.device)  # NCCL: on GPU
         gathered = [torch.empty_like(mine) for _ in range(handle.groups.shard_size)]
         dist.all_gather(gathered, mine, group=handle.groups.shard)
         indices = [int(t.item()) for t in gathered]
         if len(set(indices)) > 1:
-            names = {i: _label(u) for i, u in enumerate(unit.root.units)}
+            names = dict(enumerate(self._names))
             each = ", ".join(
                 f"rank {rank}: unit index {i} ({names.get(i, '?')})"
                 for rank, i in enumerate(indices)
@@ -87,5 +88,5 @@ class ExecOrderValidator:
             )
 
 
-def _label(unit: UnitRuntime) -> str:
-    return unit.handle.label if unit.handle is not None else "(no params)"
+def _label(handle: FlatParamHandle | None) -> str:
+    return handle.label if handle is not None else "(no params)"

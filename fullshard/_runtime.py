@@ -274,7 +274,7 @@ class RootState:
         self.reductions_in_flight = reductions_in_flight(backward_prefetch)
         self.forward_order: list[UnitRuntime] = []
         """Units with parameters, in the order their forward first ran this step."""
-        self.exec_order = ExecOrderValidator(units)
+        self.exec_order = ExecOrderValidator([unit.handle for unit in units])
         """Used under TORCH_DISTRIBUTED_DEBUG=DETAIL only (see [Note: execution-order
         validation] in _exec_order.py)."""
         self._forward_ranges: dict[int, NestedForwards] = {}
@@ -433,7 +433,7 @@ class UnitRuntime:
             return
         self.root.record_forward(self)
         if training and validation_enabled():
-            self.root.exec_order.record(self)
+            self.root.exec_order.record(handle)
         if handle.state != HandleState.SHARDED and not handle.unsharded_matches(full_precision):
             handle.reshard()  # kept from a forward in the other precision (train <-> eval)
         if handle.state == HandleState.SHARDED:

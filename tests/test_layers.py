@@ -33,7 +33,6 @@ COMMAND_LINE = {
 they may import the engine, never the reverse."""
 
 REMAINING_CYCLES = [
-    {"fullshard._exec_order", "fullshard._runtime"},
     {
         "fullshard._clip_grad",
         "fullshard._dcp_state_dict",
