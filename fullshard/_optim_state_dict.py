@@ -232,7 +232,8 @@ def _check_same_managed(every: list[_RankView]) -> None:
     the gathered views, so every rank raises alike."""
     first = set(every[0].managed)
     for rank, view in enumerate(every[1:], start=1):
-        missing = [fqn for fqn in every[0].managed if fqn not in set(view.managed)]
+        held = set(view.managed)
+        missing = [fqn for fqn in every[0].managed if fqn not in held]
         if missing:
             raise RuntimeError(
                 "FSDP currently requires each rank to have at least the optimizer states "
@@ -412,9 +413,7 @@ def _in_order(state: dict[str, Any], order: list[str]) -> dict[str, Any]:
     """``state`` with the keys of ``order`` first, in that order (then the rest as they are):
     with optimizers over the same parameters in different orders, every rank's dict then
     iterates alike, and so do collectives over its DTensor values."""
-    ordered = {fqn: state[fqn] for fqn in order if fqn in state}
-    ordered.update((fqn, value) for fqn, value in state.items() if fqn not in ordered)
-    return ordered
+    return {**{fqn: state[fqn] for fqn in order if fqn in state}, **state}
 
 
 def _named_param_groups(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -514,35 +514,38 @@ class FlatParamHandle:
         if not self._use_orig_params:
             return
         changed = False
-        ours = {id(param): index for index, param in enumerate(self._orig_params)}
-        for segment in self._segments:
-            views = segment.sharded_piece_views(segment.flat_param)
-            for index, view in zip(segment.indices, views):
-                param = self._registered_orig_param(index, view, ours)
-                if param is None:  # unregistered for now (summon, state dicts): nothing to adopt
-                    continue
-                if param is not self._orig_params[index]:
-                    self._orig_params[index] = param  # its .grad, if any, is not kept (torch)
-                    changed = True
-                if view.numel() > 0 and param.data_ptr() != view.data_ptr():
-                    with torch.no_grad():
-                        view.copy_(param.detach())
-                    changed = True
+        for index, view in self._orig_param_pieces():
+            param = self._registered_orig_param(index, view)
+            if param is None:  # unregistered for now (summon, state dicts): nothing to adopt
+                continue
+            if param is not self._orig_params[index]:
+                self._orig_params[index] = param  # its .grad, if any, is not kept (torch)
+                changed = True
+            if view.numel() > 0 and param.data_ptr() != view.data_ptr():
+                with torch.no_grad():
+                    view.copy_(param.detach())
+                changed = True
         if changed:
             self._use_sharded_params()
 
-    def _registered_orig_param(
-        self, index: int, view: torch.Tensor, ours: dict[int, int]
-    ) -> nn.Parameter | None:
+    def _orig_param_pieces(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """Each original parameter's index and its piece of the shard (empty if none)."""
+        for segment in self._segments:
+            yield from zip(segment.indices, segment.sharded_piece_views(segment.flat_param))
+
+    def _registered_orig_param(self, index: int, view: torch.Tensor) -> nn.Parameter | None:
         """The Parameter the owners of parameter ``index`` hold now, if it can be written back
         into ``view`` (its shard piece): the same object in every owner, not another of this
-        unit's parameters (``ours``: their indices by id), and of the piece's shape."""
+        unit's parameters, and of the piece's shape."""
         held = [module._parameters.get(name) for module, name in self._owners[index]]
         param = held[0]
         if param is None or not isinstance(param, nn.Parameter):
             return None
         fqn = self.param_fqns[index]
-        if any(p is not param for p in held) or ours.get(id(param), index) != index:
+        replaced = param is not self._orig_params[index]
+        if any(p is not param for p in held) or (
+            replaced and any(param is other for other in self._orig_params)
+        ):
             raise RuntimeError(
                 f"the parameter {fqn} of FSDP unit '{self.label}' was replaced after "
                 "FullyShardedDataParallel wrapped the model, by another of the unit's "
@@ -567,21 +570,18 @@ class FlatParamHandle:
         views of the unsharded parameters, which a change would silently bypass)."""
         if not self._use_orig_params:
             return
-        for segment in self._segments:
-            views = segment.sharded_piece_views(segment.flat_param)
-            for index, view in zip(segment.indices, views):
-                param = self._orig_params[index]
-                held = [module._parameters.get(name) for module, name in self._owners[index]]
-                replaced = any(p is not param for p in held)
-                moved = view.numel() > 0 and param.data_ptr() != view.data_ptr()
-                if replaced or moved:
-                    raise OrigParamChangedError(
-                        "FSDP does not support changing the parameters between forward and "
-                        f"backward for {self.sharding_strategy}: the parameter {self.param_fqns[index]} "
-                        f"of FSDP unit '{self.label}' was "
-                        f"{'replaced' if replaced else 'given new .data'} after its forward; "
-                        "change parameters outside the forward-backward of a step (or in place)"
-                    )
+        for index, view in self._orig_param_pieces():
+            param, owners = self._orig_params[index], self._owners[index]
+            replaced = any(module._parameters.get(name) is not param for module, name in owners)
+            moved = view.numel() > 0 and param.data_ptr() != view.data_ptr()
+            if replaced or moved:
+                raise OrigParamChangedError(
+                    "FSDP does not support changing the parameters between forward and "
+                    f"backward for {self.sharding_strategy}: the parameter "
+                    f"{self.param_fqns[index]} of FSDP unit '{self.label}' was "
+                    f"{'replaced' if replaced else 'given new .data'} after its forward; "
+                    "change parameters outside the forward-backward of a step (or in place)"
+                )
 
     # -- state transitions ------------------------------------------------------------------
 

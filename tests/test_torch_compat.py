@@ -366,26 +366,43 @@ def _two_linears() -> nn.Sequential:
     return nn.Sequential(nn.Linear(5, 5), nn.ReLU(), nn.Linear(5, 7))
 
 
-def _changed_orig_params(strategy: ShardingStrategy, change: str) -> None:
-    local = _two_linears()
-    fsdp = FSDP(
+def _wrapped_linears(strategy: ShardingStrategy) -> FSDP:
+    """``_two_linears`` with each Linear a unit, ``use_orig_params=True``."""
+    return FSDP(
         _two_linears(),
         sharding_strategy=strategy,
         auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
         use_orig_params=True,
     )
-    inner = fsdp.module
+
+
+def _assert_like_local(
+    fsdp: FSDP, local: nn.Module, grads: bool = False, grad_factor: float = 1.0, exact: bool = False
+) -> None:
+    """Inside a summon, each full parameter of ``fsdp`` (with ``grads``, its gradient) equals
+    the local model's (its gradient times ``grad_factor``); bitwise with ``exact``."""
+    tolerance = {"rtol": 0.0, "atol": 0.0} if exact else {}
+    with FSDP.summon_full_params(fsdp, with_grads=grads):
+        for (name, ours), (_, theirs) in zip(
+            fsdp.module.named_parameters(), local.named_parameters()
+        ):
+            if grads:
+                ours, theirs = ours.grad, theirs.grad * grad_factor
+            torch.testing.assert_close(ours, theirs, msg=name, **tolerance)
+
+
+def _changed_orig_params(strategy: ShardingStrategy, change: str) -> None:
+    local = _two_linears()
+    fsdp = _wrapped_linears(strategy)
     # The user changes a parameter as torch's FSDP lets them: its .data, or the Parameter
     # itself, replaced by one of the same (this rank's flattened piece) shape.
-    for linear in (local[2], inner[2].module):
+    for linear in (local[2], fsdp.module[2].module):
         param = linear.weight
         if change == "data":
             param.data = torch.full_like(param, 2.0)
         else:
             linear.weight = nn.Parameter(torch.full_like(param, 2.0))
-    with FSDP.summon_full_params(fsdp):  # written back before the parameters are gathered
-        for (name, ours), (_, theirs) in zip(inner.named_parameters(), local.named_parameters()):
-            torch.testing.assert_close(ours, theirs, rtol=0, atol=0, msg=name)
+    _assert_like_local(fsdp, local, exact=True)  # written back before the summon's gather
     # The new Parameter is the one FSDP trains from now on: an optimizer over it steps it.
     optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (local, fsdp)]
     for step in range(2):
@@ -395,9 +412,7 @@ def _changed_orig_params(strategy: ShardingStrategy, change: str) -> None:
             model(batch).pow(2).sum().backward()
             optim.step()
             optim.zero_grad()
-    with FSDP.summon_full_params(fsdp):
-        for (name, ours), (_, theirs) in zip(inner.named_parameters(), local.named_parameters()):
-            torch.testing.assert_close(ours, theirs, msg=name)
+    _assert_like_local(fsdp, local)
 
 
 @pytest.mark.parametrize("change", ["data", "variable"])
@@ -429,12 +444,7 @@ def test_writeback_of_another_shape_raises() -> None:
 
 
 def _changed_between_forward_and_backward(change: str) -> None:
-    fsdp = FSDP(
-        _two_linears(),
-        sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,
-        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
-        use_orig_params=True,
-    )
+    fsdp = _wrapped_linears(ShardingStrategy.SHARD_GRAD_OP)
     loss = fsdp(torch.randn(2, 5)).sum()
     linear = fsdp.module[0].module
     if change == "data":
@@ -493,11 +503,7 @@ def _named_parameters_in_forward(strategy: ShardingStrategy) -> None:
     torch.testing.assert_close(loss, expected)
     expected.backward()
     loss.backward()
-    with FSDP.summon_full_params(fsdp, with_grads=True):
-        for (name, ours), (_, theirs) in zip(
-            fsdp.module.named_parameters(), local.named_parameters()
-        ):
-            torch.testing.assert_close(ours.grad, theirs.grad, msg=name)
+    _assert_like_local(fsdp, local, grads=True)
     # Between steps the modules list the original Parameters again.
     assert all(isinstance(p, nn.Parameter) for p in fsdp.module.parameters())
 
@@ -514,12 +520,7 @@ def test_named_parameters_inside_forward_lists_the_original_parameters(
 
 def _grads_edited_in_summon(strategy: ShardingStrategy, writeback: bool) -> None:
     local = _two_linears()
-    fsdp = FSDP(
-        _two_linears(),
-        sharding_strategy=strategy,
-        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
-        use_orig_params=True,
-    )
+    fsdp = _wrapped_linears(strategy)
     torch.manual_seed(0)  # the same batch on every rank
     batch = torch.randn(4, 5)
     for model in (local, fsdp):
@@ -530,11 +531,7 @@ def _grads_edited_in_summon(strategy: ShardingStrategy, writeback: bool) -> None
     # Kept with writeback (as torch); without, the summon's full gradients were copies (the
     # sharded ones are unchanged), except NO_SHARD's, which are the gradients themselves.
     factor = 3.0 if writeback or strategy == ShardingStrategy.NO_SHARD else 1.0
-    with FSDP.summon_full_params(fsdp, with_grads=True):
-        for (name, ours), (_, theirs) in zip(
-            fsdp.module.named_parameters(), local.named_parameters()
-        ):
-            torch.testing.assert_close(ours.grad, theirs.grad * factor, msg=name)
+    _assert_like_local(fsdp, local, grads=True, grad_factor=factor)
 
 
 @pytest.mark.parametrize("writeback", [True, False], ids=["writeback", "no-writeback"])
