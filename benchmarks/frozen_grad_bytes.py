@@ -210,7 +210,7 @@ def _worker(rank: int, args: argparse.Namespace, engine: str, port: int, out: st
         Path(out).write_text(json.dumps(gathered))
     dist.barrier()
     sys.stdout.flush()
-    os._exit(0)  # skip gloo's teardown (see fullshard.bench._worker)
+    os._exit(0)  # skip gloo's teardown (see fullshard.cli.bench._worker)
 
 
 def _free_port() -> int:

@@ -823,11 +823,11 @@ def test_import_loads_no_torch_fsdp_when_imported() -> None:
         "import sys\n"
         "prefixes = ('torch.distributed.fsdp', 'torch.distributed._composable.fsdp')\n"
         "def loaded(): return {k for k in sys.modules if k.startswith(prefixes)}\n"
-        "import fullshard, fullshard.wrap, fullshard.bench, fullshard.cli, fullshard.plan\n"
+        "import fullshard, fullshard.wrap, fullshard.cli, fullshard.cli.bench, fullshard.cli.plan\n"
         "print(sorted(loaded()))\n"
         "import torch.distributed.checkpoint\n"
         "by_dcp = loaded()\n"
-        "import fullshard.checkpoint, fullshard.train\n"
+        "import fullshard.checkpoint, fullshard.cli.train\n"
         "print(sorted(loaded() - by_dcp))\n"
     )
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fullshard.plan import PRESETS, make_plan, shape_from_hf_config
+from fullshard.cli.plan import PRESETS, make_plan, shape_from_hf_config
 
 REPO = Path(__file__).resolve().parents[1]
 FULLSHARD = [sys.executable, "-m", "fullshard"]
@@ -51,7 +51,7 @@ def test_plan_matches_the_benchmarks_measured_peak(config: str) -> None:
     """The plan of each benchmark configuration is within 15% of the per-rank peak the
     benchmark measured (docs/bench-<config>.json, written by ``fullshard bench``), and is the
     prediction the benchmark itself prints."""
-    from fullshard.bench import CONFIGS, bench_shape
+    from fullshard.cli.bench import CONFIGS, bench_shape
     from fullshard.examples.gpt import GPT, num_params
 
     record = json.loads((REPO / "docs" / f"bench-{config}.json").read_text())
@@ -355,7 +355,7 @@ def test_launcher_restarts_a_failed_rank_and_resumes_exactly(
     )  # fmt: skip
     _wait_for_checkpoint(restarted, 8, run, timeout=120)
     ranks = subprocess.run(
-        ["pgrep", "-f", rf"fullshard\.train .*{restarted}"], capture_output=True, text=True
+        ["pgrep", "-f", rf"fullshard\.cli\.train .*{restarted}"], capture_output=True, text=True
     ).stdout.split()
     assert len(ranks) == 2, ranks
     os.kill(int(ranks[-1]), signal.SIGKILL)
@@ -466,7 +466,7 @@ def test_launcher_options_name_the_rendezvous_every_machine_needs() -> None:
     c10d unless --rdzv-backend says otherwise (torchrun's default, static, would make every
     machine node 0), with --local-addr 127.0.0.1 only where the endpoint is on loopback;
     --master-addr means static, with this machine's --node-rank."""
-    from fullshard.cli import _launcher_argv, _launcher_parser
+    from fullshard.cli.launch import _launcher_argv, _launcher_parser
 
     def launcher_argv(*args: str) -> list[str]:
         parser = _launcher_parser()

@@ -20,16 +20,16 @@ rank writes:
   other's bytes;
 - ``consumed[q, s] = p + 1``: rank q finished reading piece p from every cell of slot s.
 
-A collective is cut into pieces that fit a cell; pieces are numbered in issue order, which
-is the same on every rank, and piece p uses slot ``p % _SLOTS``. A rank may write piece p
-once every rank has consumed piece ``p - _SLOTS`` (the slot's previous use), and reads it
-once every rank has posted it. Issuing a collective posts the pieces it can at once and
-returns; ``wait()`` makes progress on every outstanding piece, in order, of every transport
-of the process (a peer may be waiting for this rank's pieces in another group), until its
-own are read. A rank is only ever blocked on pieces every rank has already issued or will
-issue before blocking itself, so there is no deadlock; before it blocks anywhere else it
-drains the transport ([Note: draining] in ``collectives.py``). The copies run in the
-caller's thread; there are no transport threads.
+A collective is cut into pieces that fit a cell (``pieces.py``); pieces are numbered in
+issue order, which is the same on every rank, and piece p uses slot ``p % _SLOTS``. A rank
+may write piece p once every rank has consumed piece ``p - _SLOTS`` (the slot's previous
+use), and reads it once every rank has posted it. Issuing a collective posts the pieces
+it can at once and returns; ``wait()`` makes progress on every outstanding piece, in order,
+of every transport of the process (a peer may be waiting for this rank's pieces in another
+group), until its own are read. A rank is only ever blocked on pieces every rank has
+already issued or will issue before blocking itself, so there is no deadlock; before it
+blocks anywhere else it drains the transport ([Note: draining] in ``collectives.py``). The
+copies run in the caller's thread; there are no transport threads.
 
 - all-gather: rank q writes its shard (a range of it per piece); every rank copies the
   others' ranges into its output.
@@ -75,6 +75,7 @@ import torch
 import torch.distributed as dist
 
 from .constants import SHARED_MEMORY_CELL_BYTES, SHARED_MEMORY_SLOTS
+from .pieces import AllGather, Op, ReduceScatter
 
 __all__: list[str] = []
 
@@ -135,113 +136,6 @@ def _group_timeout(group: dist.ProcessGroup) -> float:
         return 1800.0
 
 
-# -- one collective, as pieces --------------------------------------------------------------
-
-
-class Op:
-    """A collective's pieces: what this rank writes into its cell, and reads out of all."""
-
-    cells_per_rank = 1
-    """How many of a piece's ranges a rank writes into its cell."""
-
-    def __init__(self, kind: str, numel: int, dtype: torch.dtype, piece_numel: int) -> None:
-        self.kind, self.label, self.dtype = kind, "", dtype
-        self.full_numel = 0
-        """The unsharded tensor's element count (as `collectives` names collectives)."""
-        self.numel, self.piece_numel = numel, max(1, piece_numel)
-        self.num_pieces = -(-numel // self.piece_numel)
-        self.signature = 0
-        """What every rank's piece must agree on (kind, unit, size, dtype), set when issued."""
-        self.first_piece = -1
-        """Global number of this op's first piece, set when issued."""
-
-    def bounds(self, piece: int) -> tuple[int, int]:
-        start = (piece - self.first_piece) * self.piece_numel
-        return start, min(start + self.piece_numel, self.numel)
-
-    def piece_bytes(self, piece: int) -> int:
-        """Bytes a rank writes into its cell for ``piece``."""
-        start, end = self.bounds(piece)
-        return (end - start) * self.dtype.itemsize * self.cells_per_rank
-
-    def post(self, piece: int, cell: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def consume(self, piece: int, cells: list[torch.Tensor]) -> None:
-        raise NotImplementedError
-
-
-class _AllGather(Op):
-    def __init__(
-        self, output: torch.Tensor, shard: torch.Tensor, rank: int, num_ranks: int, cell: int
-    ) -> None:
-        super().__init__("all_gather", shard.numel(), shard.dtype, cell // shard.element_size())
-        self.shard, self.rank, self.full_numel = shard, rank, output.numel()
-        self.chunks = output.chunk(num_ranks)  # (shard numel,) each
-        self.chunks[rank].copy_(shard)
-
-    def post(self, piece: int, cell: torch.Tensor) -> None:
-        start, end = self.bounds(piece)
-        cell.view(self.shard.dtype)[: end - start].copy_(self.shard[start:end])
-
-    def consume(self, piece: int, cells: list[torch.Tensor]) -> None:
-        start, end = self.bounds(piece)
-        for peer, cell in enumerate(cells):
-            if peer != self.rank:
-                self.chunks[peer][start:end].copy_(cell.view(self.shard.dtype)[: end - start])
-
-
-class _ReduceScatter(Op):
-    """Rank q's cell holds, for every other rank d in order, a range of q's chunk d divided
-    by ``predivide``: the division rides on the copy instead of a pass of its own."""
-
-    def __init__(
-        self,
-        output: torch.Tensor,
-        full: torch.Tensor,
-        predivide: float,
-        rank: int,
-        num_ranks: int,
-        cell: int,
-    ) -> None:
-        per_peer = cell // full.element_size() // (num_ranks - 1)
-        super().__init__("reduce_scatter", output.numel(), full.dtype, per_peer)
-        self.output, self.rank, self.num_ranks = output, rank, num_ranks
-        self.cells_per_rank = num_ranks - 1
-        self.predivide, self.full_numel = predivide, full.numel()
-        self.chunks = full.chunk(num_ranks)  # (output numel,) each
-
-    def _sub_cell(self, cell: torch.Tensor, index: int, length: int) -> torch.Tensor:
-        # Placed by this piece's length (every rank knows it), so a piece smaller than a
-        # cell touches only (num_ranks - 1) * length elements of it.
-        return cell.view(self.dtype)[index * length : (index + 1) * length]
-
-    def _divided(self, source: torch.Tensor, out: torch.Tensor) -> None:
-        if self.predivide == 1:
-            out.copy_(source)
-        else:
-            torch.div(source, self.predivide, out=out)
-
-    def post(self, piece: int, cell: torch.Tensor) -> None:
-        start, end = self.bounds(piece)
-        for dest in range(self.num_ranks):
-            if dest != self.rank:
-                index = dest - (dest > self.rank)
-                self._divided(
-                    self.chunks[dest][start:end], self._sub_cell(cell, index, end - start)
-                )
-
-    def consume(self, piece: int, cells: list[torch.Tensor]) -> None:
-        # This rank's own term first, then the others' in rank order: a fixed order, and on
-        # 2 ranks the same bits as any other reduce-scatter (a + b == b + a).
-        start, end = self.bounds(piece)
-        out = self.output[start:end]
-        self._divided(self.chunks[self.rank][start:end], out)
-        for source, cell in enumerate(cells):
-            if source != self.rank:
-                out.add_(self._sub_cell(cell, self.rank - (self.rank > source), end - start))
-
-
 # -- the transport of one group -------------------------------------------------------------
 
 
@@ -295,13 +189,13 @@ class Transport:
     # -- issuing and waiting ----------------------------------------------------------------
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, label: str) -> Op:
-        op = _AllGather(output, shard, self.rank, self.num_ranks, self.cell_bytes)
+        op = AllGather(output, shard, self.rank, self.num_ranks, self.cell_bytes)
         return self._issue(op, label)
 
     def reduce_scatter(
         self, output: torch.Tensor, full: torch.Tensor, predivide: float, label: str
     ) -> Op:
-        op = _ReduceScatter(output, full, predivide, self.rank, self.num_ranks, self.cell_bytes)
+        op = ReduceScatter(output, full, predivide, self.rank, self.num_ranks, self.cell_bytes)
         return self._issue(op, label)
 
     def _issue(self, op: Op, label: str) -> Op:

@@ -41,13 +41,14 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from fullshard.cli.plan import ModelShape, gpt_shape, make_plan
 from fullshard.examples.gpt import GPT, Block, GPTConfig, num_params
-from fullshard.plan import ModelShape, gpt_shape, make_plan
 
 ENGINES = ["local", "ddp", "fsdp1", "fsdp2", "fullshard"]
 TORCH_ENGINES = ("fsdp1", "fsdp2")
 """Engines defined in `TORCH_ENGINES_FILE`."""
-TORCH_ENGINES_FILE = Path(__file__).resolve().parents[1] / "benchmarks" / "torch_fsdp.py"
+TORCH_ENGINES_FILE = Path(__file__).resolve().parents[2] / "benchmarks" / "torch_fsdp.py"
+"""In the source checkout, beside the package: this file is ``fullshard/cli/bench.py``."""
 
 
 def _torch_engines() -> Any:
@@ -353,7 +354,7 @@ def _predicted_mib(config: BenchConfig, args: argparse.Namespace) -> float:
 
 
 def bench_shape(config: BenchConfig) -> ModelShape:
-    """The `fullshard.plan` shape of a benchmark configuration's GPT."""
+    """The `fullshard.cli.plan` shape of a benchmark configuration's GPT."""
     return gpt_shape(
         f"bench-{config.name}", config.n_layers, config.d_model, config.n_heads, config.seq_len
     )
@@ -383,13 +384,33 @@ def _free_port() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    gathered = _run_rounds(args)
+    config = CONFIGS[args.config]
+    results = _summarise(gathered, args.engines)
+    params = num_params(GPT(config.gpt()))
+    print(_table(results, config, args, params))
+    _report_memory_model(results, config, args)
+    if args.json:
+        _write_json(args.json, results, config, args, params)
+    if args.plot:
+        _plot(results, args.plot, f"{config.name}: {args.world_size} ranks, {args.device}")
+    return 0
+
+
+def _available_engines() -> list[str]:
+    """The engines this installation can run: torch's need `TORCH_ENGINES_FILE`."""
+    if TORCH_ENGINES_FILE.exists():
+        return ENGINES
+    return [e for e in ENGINES if e not in TORCH_ENGINES]
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="fullshard bench", description="training step: local, DDP, torch FSDP1/2, fullshard"
     )
     parser.add_argument("--config", choices=sorted(CONFIGS), default="comm")
-    available = (
-        ENGINES if TORCH_ENGINES_FILE.exists() else [e for e in ENGINES if e not in TORCH_ENGINES]
-    )
+    available = _available_engines()
     parser.add_argument(
         "--engines",
         default=",".join(available),
@@ -427,6 +448,11 @@ def main(argv: list[str] | None = None) -> int:
             f"engines {missing} are torch's FSDP, defined in {TORCH_ENGINES_FILE}, which this "
             "installation lacks: run from a source checkout of fullshard"
         )
+    return args
+
+
+def _run_rounds(args: argparse.Namespace) -> list[dict[str, list[dict[str, Any]]]]:
+    """Every engine's runs, per rank: ``gathered[rank][engine]`` lists one result a round."""
     out = f"/tmp/fullshard-bench-{os.getpid()}.json"
     gathered: list[dict[str, list[dict[str, Any]]]] = [
         {engine: [] for engine in args.engines} for _ in range(args.world_size)
@@ -438,10 +464,13 @@ def main(argv: list[str] | None = None) -> int:
             for rank, result in enumerate(json.loads(Path(out).read_text())):
                 gathered[rank][engine].append(result)
             os.remove(out)
-    config = CONFIGS[args.config]
-    results = _summarise(gathered, args.engines)
-    params = num_params(GPT(config.gpt()))
-    print(_table(results, config, args, params))
+    return gathered
+
+
+def _report_memory_model(
+    results: list[EngineResult], config: BenchConfig, args: argparse.Namespace
+) -> None:
+    """fullshard's measured peak against ``fullshard plan``'s prediction."""
     predicted = _predicted_mib(config, args)
     measured = [r for r in results if r.engine == "fullshard"]
     if measured:
@@ -450,22 +479,27 @@ def main(argv: list[str] | None = None) -> int:
             f"\nfullshard memory model: {predicted:.0f} MiB added per rank predicted, "
             f"{peak:.0f} MiB measured (max over ranks): {100 * (predicted - peak) / peak:+.1f}%"
         )
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "config": asdict(config),
-                    "args": {k: v for k, v in vars(args).items()},
-                    "params": params,
-                    "predicted_fullshard_peak_mib": _predicted_mib(config, args),
-                    "results": [{**asdict(r), "median_s": r.median_s} for r in results],
-                },
-                indent=1,
-            )
+
+
+def _write_json(
+    path: str,
+    results: list[EngineResult],
+    config: BenchConfig,
+    args: argparse.Namespace,
+    params: int,
+) -> None:
+    Path(path).write_text(
+        json.dumps(
+            {
+                "config": asdict(config),
+                "args": {k: v for k, v in vars(args).items()},
+                "params": params,
+                "predicted_fullshard_peak_mib": _predicted_mib(config, args),
+                "results": [{**asdict(r), "median_s": r.median_s} for r in results],
+            },
+            indent=1,
         )
-    if args.plot:
-        _plot(results, args.plot, f"{config.name}: {args.world_size} ranks, {args.device}")
-    return 0
+    )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .memory import (
+from ..memory import (
     SHARED_MEMORY_CELL_BYTES,
     STRATEGIES,
     MemoryEstimate,
@@ -245,21 +245,10 @@ def make_plan(
     compute_dtype = param_dtype if mixed_precision == "none" else mixed_precision
     compute_bytes = _DTYPE_BYTES[compute_dtype]
     seq_len = seq_len or shape.seq_len
-    units = [shape.unit_numel] * shape.n_layers
-    activations = transformer_activations(
-        batch,
-        seq_len,
-        shape.d_model,
-        shape.n_layers,
-        shape.ffn,
-        shape.vocab,
-        compute_bytes,
-        gated_mlp=shape.gated_mlp,
-        checkpointed=activation_checkpointing,
-    )
     group = shard_group_size or world_size
+    activations = _activations(shape, batch, seq_len, compute_bytes, activation_checkpointing)
     resident = estimate(
-        units,
+        [shape.unit_numel] * shape.n_layers,
         world_size,
         strategy,
         root_numel=shape.root_numel,
@@ -275,14 +264,6 @@ def make_plan(
     if cpu_offload:  # the model state moves to host memory; the rest stays on the device
         host = resident.params + resident.grads + resident.optimizer
         memory = replace(resident, params=0, grads=0, optimizer=0)
-    comm = communication_bytes(
-        units,
-        world_size,
-        strategy,
-        root_numel=shape.root_numel,
-        compute_bytes=compute_bytes,
-        shard_group_size=group,
-    )
     return PlanResult(
         shape,
         world_size,
@@ -295,8 +276,39 @@ def make_plan(
         seq_len,
         memory,
         host,
-        comm,
+        _comm_bytes(shape, world_size, strategy, compute_bytes, group),
         device,
+    )
+
+
+def _activations(
+    shape: ModelShape, batch: int, seq_len: int, compute_bytes: int, checkpointed: bool
+) -> int:
+    """Activation bytes per rank of ``shape``'s blocks (`transformer_activations`)."""
+    return transformer_activations(
+        batch,
+        seq_len,
+        shape.d_model,
+        shape.n_layers,
+        shape.ffn,
+        shape.vocab,
+        compute_bytes,
+        gated_mlp=shape.gated_mlp,
+        checkpointed=checkpointed,
+    )
+
+
+def _comm_bytes(
+    shape: ModelShape, world_size: int, strategy: str, compute_bytes: int, shard_group_size: int
+) -> int:
+    """Bytes each rank sends per step (a ring estimate)."""
+    return communication_bytes(
+        [shape.unit_numel] * shape.n_layers,
+        world_size,
+        strategy,
+        root_numel=shape.root_numel,
+        compute_bytes=compute_bytes,
+        shard_group_size=shard_group_size,
     )
 
 

@@ -1,13 +1,12 @@
-"""The ``fullshard`` command: ``train``, ``plan`` and ``bench``.
+"""``fullshard train`` in the calling process: validate the options, then launch the ranks.
 
-``fullshard train`` validates its options in this process, then starts the ranks through
-torch's elastic launcher (``torch.distributed.run``, the agent behind ``torchrun``), each
-running `fullshard.train`. On one machine the rendezvous is bound to 127.0.0.1 on a free
-port (``--master-port`` picks one). Multi-node jobs run the same command on every machine:
+The options are checked here, before any rank starts; then the ranks start through torch's
+elastic launcher (``torch.distributed.run``, the agent behind ``torchrun``), each running
+`fullshard.cli.train`. On one machine the rendezvous is bound to 127.0.0.1 on a free port
+(``--master-port`` picks one). Multi-node jobs run the same command on every machine:
 ``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``, ``--rdzv-backend`` (c10d when an
 endpoint is given), ``--rdzv-id``, ``--master-addr``, ``--master-port`` and
-``--max-restarts`` pass through to the launcher. ``plan`` imports no torch, so it answers
-at once.
+``--max-restarts`` pass through to the launcher.
 """
 
 from __future__ import annotations
@@ -25,40 +24,6 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["main"]
-
-_USAGE = """\
-usage: fullshard <command> [options]
-
-commands:
-  train   train a byte-level GPT with fullshard's FSDP on local (or multi-node) ranks
-  plan    per-rank memory and traffic of a model on N devices (no GPUs needed)
-  bench   time one training step: local, DDP, torch FSDP1/FSDP2 and fullshard
-
-'fullshard <command> --help' describes a command's options.
-"""
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(_USAGE, end="")
-        return 0 if argv else 2
-    command, rest = argv[0], argv[1:]
-    if command == "plan":
-        from .plan import main as plan_main
-
-        return plan_main(rest)
-    if command == "bench":
-        from .bench import main as bench_main
-
-        return bench_main(rest)
-    if command == "train":
-        return _train(rest)
-    print(f"fullshard: unknown command {command!r}\n\n{_USAGE}", end="", file=sys.stderr)
-    return 2
-
-
-# -- train ----------------------------------------------------------------------------------
 
 
 def _launcher_parser() -> argparse.ArgumentParser:
@@ -206,10 +171,12 @@ def _multi_node_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     return argv
 
 
-def _train(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
+    """``fullshard train``: the ranks' options are checked here, then the launcher starts them."""
     from dataclasses import replace
 
-    from .train import add_arguments, checkpoint_problem, config_from_args
+    from .train_options import add_arguments, config_from_args
+    from .train_output import checkpoint_problem
 
     launcher = _launcher_parser()
     parser = argparse.ArgumentParser(
@@ -235,7 +202,7 @@ def _train(argv: list[str]) -> int:
         parser.error(problem)
     launch_args, worker_argv = launcher.parse_known_args(argv)
     worker_argv = [*worker_argv, "--out", str(config.out)]  # the last --out wins
-    launch = [*_launcher_argv(launch_args, parser), "-m", "fullshard.train", *worker_argv]
+    launch = [*_launcher_argv(launch_args, parser), "-m", "fullshard.cli.train", *worker_argv]
     return _launch(launch, Path(str(config.out)))
 
 

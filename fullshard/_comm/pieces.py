@@ -1,0 +1,126 @@
+"""A collective on the shared-memory transport, cut into pieces that fit a cell.
+
+What a rank writes into its own cell for a piece, and reads out of every rank's cell once
+all have posted it: plain tensor copies over the cells it is handed, with no file, flags or
+process group (those are `shared_memory.Transport`'s; see [Note: shared-memory transport]
+there). Pieces are numbered in issue order over the transport; an op's first piece is set
+when it is issued.
+
+All-gather of the shards ``[1, 2, 3, 4]`` (rank 0) and ``[5, 6, 7, 8]`` (rank 1) with
+cells of 2 elements, in 2 pieces: in piece 0 rank 0 posts ``[1, 2]`` and rank 1 ``[5, 6]``,
+and each copies the other's into that rank's chunk of its output; piece 1 moves ``[3, 4]``
+and ``[7, 8]``; both outputs are then ``[1, 2, 3, 4, 5, 6, 7, 8]``. Reduce-scatter of
+``[1, 2, 3, 4]`` (rank 0) and ``[5, 6, 7, 8]`` (rank 1) in one piece: rank 0 posts its chunk
+1, ``[3, 4]``, rank 1 its chunk 0, ``[5, 6]``; rank 0 sums ``[1, 2] + [5, 6] = [6, 8]``,
+rank 1 ``[7, 8] + [3, 4] = [10, 12]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["AllGather", "Op", "ReduceScatter"]
+
+
+class Op:
+    """A collective's pieces: what this rank writes into its cell, and reads out of all."""
+
+    cells_per_rank = 1
+    """How many of a piece's ranges a rank writes into its cell."""
+
+    def __init__(self, kind: str, numel: int, dtype: torch.dtype, piece_numel: int) -> None:
+        self.kind, self.label, self.dtype = kind, "", dtype
+        self.full_numel = 0
+        """The unsharded tensor's element count (as `collectives` names collectives)."""
+        self.numel, self.piece_numel = numel, max(1, piece_numel)
+        self.num_pieces = -(-numel // self.piece_numel)
+        self.signature = 0
+        """What every rank's piece must agree on (kind, unit, size, dtype), set when issued."""
+        self.first_piece = -1
+        """Global number of this op's first piece, set when issued."""
+
+    def bounds(self, piece: int) -> tuple[int, int]:
+        start = (piece - self.first_piece) * self.piece_numel
+        return start, min(start + self.piece_numel, self.numel)
+
+    def piece_bytes(self, piece: int) -> int:
+        """Bytes a rank writes into its cell for ``piece``."""
+        start, end = self.bounds(piece)
+        return (end - start) * self.dtype.itemsize * self.cells_per_rank
+
+    def post(self, piece: int, cell: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def consume(self, piece: int, cells: list[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+
+class AllGather(Op):
+    def __init__(
+        self, output: torch.Tensor, shard: torch.Tensor, rank: int, num_ranks: int, cell: int
+    ) -> None:
+        super().__init__("all_gather", shard.numel(), shard.dtype, cell // shard.element_size())
+        self.shard, self.rank, self.full_numel = shard, rank, output.numel()
+        self.chunks = output.chunk(num_ranks)  # (shard numel,) each
+        self.chunks[rank].copy_(shard)
+
+    def post(self, piece: int, cell: torch.Tensor) -> None:
+        start, end = self.bounds(piece)
+        cell.view(self.shard.dtype)[: end - start].copy_(self.shard[start:end])
+
+    def consume(self, piece: int, cells: list[torch.Tensor]) -> None:
+        start, end = self.bounds(piece)
+        for peer, cell in enumerate(cells):
+            if peer != self.rank:
+                self.chunks[peer][start:end].copy_(cell.view(self.shard.dtype)[: end - start])
+
+
+class ReduceScatter(Op):
+    """Rank q's cell holds, for every other rank d in order, a range of q's chunk d divided
+    by ``predivide``: the division rides on the copy instead of a pass of its own."""
+
+    def __init__(
+        self,
+        output: torch.Tensor,
+        full: torch.Tensor,
+        predivide: float,
+        rank: int,
+        num_ranks: int,
+        cell: int,
+    ) -> None:
+        per_peer = cell // full.element_size() // (num_ranks - 1)
+        super().__init__("reduce_scatter", output.numel(), full.dtype, per_peer)
+        self.output, self.rank, self.num_ranks = output, rank, num_ranks
+        self.cells_per_rank = num_ranks - 1
+        self.predivide, self.full_numel = predivide, full.numel()
+        self.chunks = full.chunk(num_ranks)  # (output numel,) each
+
+    def _sub_cell(self, cell: torch.Tensor, index: int, length: int) -> torch.Tensor:
+        # Placed by this piece's length (every rank knows it), so a piece smaller than a
+        # cell touches only (num_ranks - 1) * length elements of it.
+        return cell.view(self.dtype)[index * length : (index + 1) * length]
+
+    def _divided(self, source: torch.Tensor, out: torch.Tensor) -> None:
+        if self.predivide == 1:
+            out.copy_(source)
+        else:
+            torch.div(source, self.predivide, out=out)
+
+    def post(self, piece: int, cell: torch.Tensor) -> None:
+        start, end = self.bounds(piece)
+        for dest in range(self.num_ranks):
+            if dest != self.rank:
+                index = dest - (dest > self.rank)
+                self._divided(
+                    self.chunks[dest][start:end], self._sub_cell(cell, index, end - start)
+                )
+
+    def consume(self, piece: int, cells: list[torch.Tensor]) -> None:
+        # This rank's own term first, then the others' in rank order: a fixed order, and on
+        # 2 ranks the same bits as any other reduce-scatter (a + b == b + a).
+        start, end = self.bounds(piece)
+        out = self.output[start:end]
+        self._divided(self.chunks[self.rank][start:end], out)
+        for source, cell in enumerate(cells):
+            if source != self.rank:
+                out.add_(self._sub_cell(cell, self.rank - (self.rank > source), end - start))

@@ -1,0 +1,202 @@
+"""``fullshard train``'s options: parsed, validated and frozen into a `TrainConfig`.
+
+The launcher (`fullshard.cli.launch`) checks them before any rank starts; every rank
+(`fullshard.cli.train`) parses the same arguments again. Errors exit through argparse,
+naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..api import MixedPrecision
+from ..examples.gpt import GPTConfig
+from .plan import PRESETS
+
+_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+TRAIN_PRESETS = ("tiny", "small", "medium", "100m")
+"""`fullshard.cli.plan.PRESETS` that are GPTs the ranks build."""
+PRECISIONS: dict[str, MixedPrecision | None] = {
+    "none": None,
+    "bf16": MixedPrecision(param_dtype=torch.bfloat16),
+}
+"""fp16 needs loss scaling (ShardedGradScaler), which the ranks do not do yet."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Validated command-line options."""
+
+    preset: str
+    steps: int
+    batch_size: int
+    seq_len: int
+    lr: float
+    warmup_steps: int
+    weight_decay: float
+    grad_clip: float
+    mixed_precision: str
+    cpu_offload: bool
+    seed: int
+    sharding_strategy: str
+    use_orig_params: bool
+    device: str
+    data: str | None
+    eval_batches: int
+    out: str | None
+    """None until `fullshard.cli.train.main` has every rank agree on rank 0's default."""
+    checkpoint_every: int
+    resume: bool
+    overwrite: bool
+    sample_bytes: int
+    timeout_s: float = 300.0
+
+    def gpt(self) -> GPTConfig:
+        shape = PRESETS[self.preset]
+        return GPTConfig(
+            seq_len=self.seq_len,
+            d_model=shape.d_model,
+            n_heads=shape.n_heads,
+            n_layers=shape.n_layers,
+        )
+
+    def run_identity(self) -> dict[str, Any]:
+        """What a checkpoint must agree on to be resumed by this run."""
+        return {"preset": self.preset, "seq_len": self.seq_len, "seed": self.seed}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The training options (``fullshard train`` adds the launcher's own)."""
+    _add_model_arguments(parser)
+    _add_training_arguments(parser)
+    _add_fsdp_arguments(parser)
+    _add_output_arguments(parser)
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model and data")
+    model.add_argument("--preset", choices=TRAIN_PRESETS, default="small", help="model size")
+    model.add_argument(
+        "--data",
+        default=None,
+        help="text file, or folder of files, to train on (default: the corpus shipped)",
+    )
+    model.add_argument("--seq-len", type=int, default=None, help="default: the preset's")
+
+
+def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    run = parser.add_argument_group("training")
+    run.add_argument("--steps", type=int, default=600)
+    run.add_argument("--batch-size", type=int, default=16, help="sequences per rank a step")
+    run.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    run.add_argument("--warmup-steps", type=int, default=20)
+    run.add_argument("--weight-decay", type=float, default=0.01)
+    run.add_argument(
+        "--grad-clip",
+        type=float,
+        default=1.0,
+        help="max grad norm for FullyShardedDataParallel.clip_grad_norm_; 0 disables",
+    )
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--eval-batches", type=int, default=4, help="held-out batches per rank")
+
+
+def _add_fsdp_arguments(parser: argparse.ArgumentParser) -> None:
+    fsdp = parser.add_argument_group("FSDP")
+    fsdp.add_argument(
+        "--sharding-strategy", "--strategy", choices=_STRATEGIES, default="FULL_SHARD"
+    )
+    fsdp.add_argument("--use-orig-params", action="store_true")
+    fsdp.add_argument(
+        "--mixed-precision",
+        choices=tuple(PRECISIONS),
+        default="none",
+        help="compute and communicate in this dtype; the fp32 shard stays the master copy",
+    )
+    fsdp.add_argument(
+        "--cpu-offload", action="store_true", help="keep sharded params and grads on the CPU"
+    )
+    fsdp.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    fsdp.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds any collective may wait before the job fails naming it (default 300)",
+    )
+
+
+def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    out = parser.add_argument_group("output and checkpoints")
+    out.add_argument(
+        "--out",
+        default=None,
+        help="folder for the report and checkpoints (default: runs/<date>-<time>)",
+    )
+    out.add_argument(
+        "--checkpoint-every", type=int, default=100, help="steps between checkpoints; 0: none"
+    )
+    out.add_argument(
+        "--resume", action="store_true", help="continue from <out>/checkpoint if there is one"
+    )
+    out.add_argument(
+        "--overwrite", action="store_true", help="start afresh even if <out> has a checkpoint"
+    )
+    out.add_argument("--sample-bytes", type=int, default=200, help="text to generate at the end")
+
+
+def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> TrainConfig:
+    seq_len = args.seq_len or PRESETS[args.preset].seq_len
+    positive = ("steps", "batch_size", "eval_batches", "warmup_steps", "sample_bytes")
+    for name in positive:
+        if getattr(args, name) < (0 if name in ("warmup_steps", "sample_bytes") else 1):
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if seq_len <= 0:
+        parser.error(f"--seq-len must be positive, got {seq_len}")
+    if args.lr <= 0 or not math.isfinite(args.lr):
+        parser.error(f"--lr must be a positive number, got {args.lr}")
+    if args.checkpoint_every < 0:
+        parser.error(
+            f"--checkpoint-every must be 0 (no checkpoints) or more, got {args.checkpoint_every}"
+        )
+    if not args.timeout > 0:
+        parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.resume and args.overwrite:
+        parser.error("--resume and --overwrite contradict each other; pick one")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda was given but CUDA is not available on this machine")
+    if args.data is not None:
+        data = Path(args.data)
+        if not data.exists():
+            parser.error(f"--data {args.data}: no such file or folder")
+        if data.is_dir() and not any(p.is_file() for p in data.rglob("*")):
+            parser.error(f"--data {args.data}: the folder holds no files")
+    return TrainConfig(
+        preset=args.preset,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=seq_len,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip,
+        mixed_precision=args.mixed_precision,
+        cpu_offload=args.cpu_offload,
+        seed=args.seed,
+        sharding_strategy=args.sharding_strategy,
+        use_orig_params=args.use_orig_params,
+        device=args.device,
+        data=args.data,
+        eval_batches=args.eval_batches,
+        out=args.out,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        sample_bytes=args.sample_bytes,
+        timeout_s=args.timeout,
+    )
