@@ -12,12 +12,12 @@ gives the bytes one rank holds at its peak, split the way they are allocated:
   backward, while unit k's gradient is computed, either unit k-1's parameters were
   prefetched (BACKWARD_PRE) or unit k+1's gradient is still being reduced (BACKWARD_POST,
   None): three buffers of the largest unit's size in the compute dtype (see
-  ``_runtime.reductions_in_flight``), plus the root unit's parameters, kept through the step
+  ``_engine/runtime.reductions_in_flight``), plus the root unit's parameters, kept through the step
   (see [Note: the root keeps its parameters]). SHARD_GRAD_OP keeps every unit's parameters
   from forward to backward, plus two gradients. Unsharded gradients cover trainable elements
   only; a unit with frozen parameters reshards once its inputs' gradients are computed, so
   one more unit's parameters are alive as the next unit's backward begins (see [Note:
-  resharding units with frozen parameters] in _runtime.py).
+  resharding units with frozen parameters] in _engine/runtime.py).
 - ``activations``: what the caller estimates for the model and batch (``gpt_activations``
   for the example GPT).
 - ``staging``: CPU ranks of one host only (``shared_memory_cell_bytes``): the pages of the

@@ -3,7 +3,7 @@
 Each check trains a tiny GPT (tied head, SDPA, one unit per block) wrapped in fullshard on
 2 ranks twice from the same initial state, once eagerly and once compiled, and compares
 losses and parameters after a few steps. See [Note: torch.compile runs the wrapper eagerly]
-in fullshard/_compile.py.
+in fullshard/_engine/compile.py.
 
 Before: dynamo traced into the hooks, so the first compiled forward failed inside the
 shared-memory transport's setup (``broadcast_object_list``: UnsafeScriptObjectError), and

@@ -242,7 +242,7 @@ model = FSDP(nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2)))
 assert "torch.distributed.checkpoint.state_dict" not in sys.modules
 import inspect
 import torch.distributed.checkpoint.state_dict as dsd
-from fullshard import _dcp_state_dict
+from fullshard._features import dcp_state_dict as _dcp_state_dict
 assert dsd.FSDP is _dcp_state_dict._AnyFSDP, dsd.FSDP
 assert "def get_state_dict" in inspect.getsource(dsd)  # the wrapped loader still reads it
 assert _dcp_state_dict._incompatibility(dsd) is None  # this torch's layout is the known one

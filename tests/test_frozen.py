@@ -5,7 +5,7 @@ unit per ``LoRABlock`` plus the root, so every unit mixes ``requires_grad``. The
 are computed from the plain model, not from fullshard's layout: a unit's gradient is the
 concatenation of its trainable parameters' gradients in registration order, padded to a
 multiple of the shard group's size and split evenly (see [Note: frozen parameters] in
-fullshard/flat_param.py). Hybrid strategies run on 4 ranks (2 shards x 2 replicas).
+fullshard/_engine/flat_param.py). Hybrid strategies run on 4 ranks (2 shards x 2 replicas).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ DIM = 8
 DOCUMENTED_ERRORS: list[tuple[type[Exception], str]] = []
 """(type, message start) of the errors a configuration may legitimately raise. None today:
 units mixing frozen and trainable parameters, which torch (and fullshard once) refuse with
-use_orig_params=False, train (see [Note: frozen parameters] in fullshard/flat_param.py)."""
+use_orig_params=False, train (see [Note: frozen parameters] in fullshard/_engine/flat_param.py)."""
 
 
 @dataclass(frozen=True)

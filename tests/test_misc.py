@@ -84,7 +84,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fullshard import FullyShardedDataParallel as FSDP
 from fullshard import ShardingStrategy
-from fullshard.flat_param import _FSDP_USE_UNSAFE_SETATTR, HandleState
+from fullshard._engine.flat_param import _FSDP_USE_UNSAFE_SETATTR, HandleState
 from fullshard.fully_sharded_data_parallel import HOMOGENEOUS_ATTR_NAMES
 from fullshard.wrap import always_wrap_policy
 from harness import run_on_ranks

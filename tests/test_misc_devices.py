@@ -14,7 +14,7 @@ tests become 2 processes; collectives on CUDA tensors use an NCCL group made in 
 
 Their logic also runs here on the CPU, so a machine without GPUs still checks it:
 
-- the device rules themselves (``fullshard._init_utils``: ``compute_device``,
+- the device rules themselves (``fullshard._engine.init``: ``compute_device``,
   ``check_single_device``, ``check_on_compute_device``, ``device_from_device_id``) with the
   seed's exact messages, on ``torch.device`` values (which need no GPU to exist);
 - the same constructions with ``device_id=torch.device("cpu")`` (auto-wrap propagates it,
@@ -47,13 +47,13 @@ from torch.distributed.optim import _apply_optimizer_in_backward
 
 from fullshard import CPUOffload, FlatParameter, ShardingStrategy
 from fullshard import FullyShardedDataParallel as FSDP
-from fullshard._init_utils import (
+from fullshard._engine.init import (
     check_on_compute_device,
     check_single_device,
     compute_device,
     device_from_device_id,
 )
-from fullshard._traversal import _get_fsdp_handles
+from fullshard._engine.unit import handles_in as _get_fsdp_handles
 from fullshard.wrap import ModuleWrapPolicy, always_wrap_policy, transformer_auto_wrap_policy
 from harness import requires_cuda_gpus, run_on_ranks
 from models import MLP, NestedWrappedModule, TransformerWithSharedParams, nested_wrap

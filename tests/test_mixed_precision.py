@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from fullshard import CPUOffload, MixedPrecision, ShardingStrategy
 from fullshard import FullyShardedDataParallel as FSDP
 from fullshard._comm.collectives import COUNTERS
-from fullshard._traversal import _get_fsdp_handles
+from fullshard._engine.unit import handles_in as _get_fsdp_handles
 from fullshard.wrap import ModuleWrapPolicy
 from harness import run_on_ranks
 from models import NestedWrappedModule, nested_wrap

@@ -62,8 +62,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fullshard import CPUOffload, MixedPrecision
 from fullshard import FullyShardedDataParallel as FSDP
-from fullshard._runtime import RESHARD_AFTER_FORWARD, TrainingState
-from fullshard._traversal import _get_fsdp_handles
+from fullshard._engine.runtime import RESHARD_AFTER_FORWARD, TrainingState
+from fullshard._engine.unit import handles_in as _get_fsdp_handles
 from harness import run_on_ranks
 from models import NestedWrappedModule, nested_wrap
 

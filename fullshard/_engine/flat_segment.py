@@ -1,7 +1,7 @@
 """One flat segment of an FSDP unit: a ``FlatParameter`` (the shard) and its unsharded buffers.
 
 A unit's parameters live in one segment, or in two when they differ in ``requires_grad``
-(see [Note: frozen parameters] in flat_param.py and ``_layout.UnitLayout``). Each segment
+(see [Note: frozen parameters] in flat_param.py and ``layout.UnitLayout``). Each segment
 owns three buffers:
 
 - ``flat_param._local_shard``: this rank's shard in the parameters' own dtype (the optimizer's
@@ -28,9 +28,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._comm import collectives as comm
-from ._comm.groups import ShardingGroups
-from ._layout import FlatLayout, ShardPiece
+from .._comm import collectives as comm
+from .._comm.groups import ShardingGroups
+from .layout import FlatLayout, ShardPiece
 
 __all__ = ["FlatParameter", "FlatSegment"]
 
@@ -129,7 +129,7 @@ class FlatSegment:
         layout = self.layout
         with torch.no_grad():
             # On the parameters' device: a CPU module stays on the CPU until the user moves
-            # it to the compute device (see [Note: devices] in _init_utils).
+            # it to the compute device (see [Note: devices] in init.py).
             flat = torch.empty(layout.padded_numel, dtype=params[0].dtype, device=params[0].device)
             flat[layout.numel :].zero_()
             for slot, param in zip(layout.slots, params):

@@ -8,27 +8,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch import nn
 
-from ._runtime import HandleTrainingState, TrainingState
-from ._traversal import FLAT_PARAM_NAMES, flat_param_owner
-from .flat_param import FlatParamHandle, HandleState
-
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
+from .._engine.flat_param import FlatParamHandle, HandleState
+from .._engine.names import FLAT_PARAM_NAMES, flat_param_owner
+from .._engine.runtime import HandleTrainingState, TrainingState
+from .._engine.unit import Unit, units_in
 
 __all__ = ["SummonStateError", "UnsupportedSummonError"]
-
-
-def _units(module: nn.Module, recurse: bool) -> list[FullyShardedDataParallel]:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
-
-    if recurse:
-        return list(FSDP.fsdp_modules(module))
-    return list(FSDP.fsdp_modules(module, root_only=True))
 
 
 class UnsupportedSummonError(ValueError, NotImplementedError):
@@ -42,7 +31,7 @@ class SummonStateError(RuntimeError, AssertionError):
 
 
 def _validate(
-    units: list[FullyShardedDataParallel],
+    units: list[Unit],
     writeback: bool,
     rank0_only: bool,
     offload_to_cpu: bool,
@@ -60,29 +49,29 @@ def _validate(
             "gradients on every rank (rank0_only=False)"
         )
     for unit in units:
-        if with_grads and (offload_to_cpu or not unit._use_orig_params):
+        if with_grads and (offload_to_cpu or not unit.settings.use_orig_params):
             raise UnsupportedSummonError(
                 f"summon_full_params(with_grads=True) with use_orig_params="
-                f"{unit._use_orig_params}, offload_to_cpu={offload_to_cpu} is not supported: "
+                f"{unit.settings.use_orig_params}, offload_to_cpu={offload_to_cpu} is not supported: "
                 "construct FullyShardedDataParallel with use_orig_params=True and leave "
                 "offload_to_cpu=False"
             )
-        runtime = unit._runtime
+        runtime = unit.runtime
         if runtime.training_state == TrainingState.SUMMON_FULL_PARAMS:
             raise SummonStateError(
                 "Cannot manually unshard parameters when already unsharding parameters: "
-                f"summon_full_params is already active on FSDP unit '{unit._label}'"
+                f"summon_full_params is already active on FSDP unit '{unit.label}'"
             )
         if runtime.training_state != TrainingState.IDLE:
             raise SummonStateError(
                 "Cannot manually unshard parameters during forward/backward: call "
                 "summon_full_params outside the model's forward and backward"
             )
-        handle = unit._handle
+        handle = unit.handle
         if offload_to_cpu and handle is not None and not handle.uses_sharded_strategy:
             raise UnsupportedSummonError(
                 f"offload_to_cpu=True and NO_SHARD is not supported (FSDP unit "
-                f"'{unit._label}'): its parameters are already full on every rank; leave "
+                f"'{unit.label}'): its parameters are already full on every rank; leave "
                 "offload_to_cpu=False"
             )
         if offload_to_cpu and unit.compute_device.type != "cpu":
@@ -101,9 +90,9 @@ def summon(
     offload_to_cpu: bool,
     with_grads: bool,
 ) -> Generator[None, None, None]:
-    units = _units(module, recurse)
+    units = units_in(module, root_only=not recurse)
     _validate(units, writeback, rank0_only, offload_to_cpu, with_grads)
-    handles = [unit._handle for unit in units if unit._handle is not None]
+    handles = [unit.handle for unit in units if unit.handle is not None]
     expose = not rank0_only or dist.get_rank() == 0
     hidden: list[tuple[nn.Module, str, nn.Parameter]] = []
     try:
@@ -112,9 +101,9 @@ def summon(
             for handle in handles:
                 handle.reshard()
         for unit in units:
-            unit._runtime.training_state = TrainingState.SUMMON_FULL_PARAMS
-            unit._runtime.handle_training_state = HandleTrainingState.SUMMON_FULL_PARAMS
-            unit._runtime.exposes_full_params = expose
+            unit.runtime.training_state = TrainingState.SUMMON_FULL_PARAMS
+            unit.runtime.handle_training_state = HandleTrainingState.SUMMON_FULL_PARAMS
+            unit.runtime.exposes_full_params = expose
         if expose:
             for handle in handles:
                 handle.expose_unsharded_params()
@@ -130,12 +119,12 @@ def summon(
 
 
 def _deregister_flat_params(
-    unit: FullyShardedDataParallel,
+    unit: Unit,
 ) -> list[tuple[nn.Module, str, nn.Parameter]]:
     """While the full parameters are exposed, the flat parameters are not registered, as in
     torch: ``model.parameters()`` over a model whose root is not a unit then lists each
     parameter once, at full size (registered again on exit)."""
-    if unit._handle is None or unit._use_orig_params:
+    if unit.handle is None or unit.settings.use_orig_params:
         return []
     owner = flat_param_owner(unit.module)
     hidden = []
@@ -160,9 +149,7 @@ def _gather(handles: list[FlatParamHandle]) -> None:
         handle.wait_unshard()
 
 
-def _restore(
-    units: list[FullyShardedDataParallel], handles: list[FlatParamHandle], writeback: bool
-) -> None:
+def _restore(units: list[Unit], handles: list[FlatParamHandle], writeback: bool) -> None:
     """Leave every unit as it was before the summon, on every exit path (an error in the
     block, in a gather, or in one handle's restore included): the first error is raised
     once all units are restored, so a failed summon never leaves the model unusable."""
@@ -176,8 +163,8 @@ def _restore(
         except BaseException as error:  # re-raised below, once every unit is restored
             errors.append(error)
     for unit in units:
-        unit._runtime.exposes_full_params = False
-        unit._runtime.training_state = TrainingState.IDLE
-        unit._runtime.handle_training_state = HandleTrainingState.IDLE
+        unit.runtime.exposes_full_params = False
+        unit.runtime.training_state = TrainingState.IDLE
+        unit.runtime.handle_training_state = HandleTrainingState.IDLE
     if errors:
         raise errors[0]

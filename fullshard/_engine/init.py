@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._comm import collectives as comm
-from ._comm.groups import ShardingGroups
+from .._comm import collectives as comm
+from .._comm.groups import ShardingGroups
 
 __all__: list[str] = []
 
@@ -228,14 +228,6 @@ def warn_if_root_ignored(module: nn.Module, ignored: Iterable[nn.Module]) -> Non
             f"{type(module).__name__}",
             stacklevel=4,
         )
-
-
-def check_not_fsdp(modules: Iterable[nn.Module], fsdp_cls: type) -> None:
-    for module in modules:
-        if isinstance(module, fsdp_cls):
-            raise ValueError(
-                "`ignored_modules` should not include FSDP modules: pass the module it wraps"
-            )
 
 
 def expand_ignored(root: nn.Module, ignored: Iterable[nn.Module]) -> set[nn.Module]:

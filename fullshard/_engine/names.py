@@ -1,10 +1,8 @@
-"""Walking a model's FSDP units and their handles, and the names wrapping gives them."""
+"""The names wrapping gives modules and flat parameters, and how keys leave them out."""
 
 from __future__ import annotations
 
 from torch import nn
-
-from .flat_param import FlatParamHandle
 
 __all__: list[str] = []
 
@@ -32,18 +30,7 @@ def flat_param_owner(wrapped: nn.Module) -> nn.Module:
     """The module a unit's flat parameter is registered on: the wrapped module, or below
     activation checkpointing's wrappers the module they wrap. Never a wrapper itself: its load
     pre-hook moves every key under it down a level, a placeholder for a parameter of its own
-    included (see [Note: state dict keys] in ``_state_dict``)."""
+    included (see [Note: state dict keys] in ``_features/state_dict``)."""
     while isinstance(wrapped._modules.get(CHECKPOINT_WRAPPED_MODULE), nn.Module):
         wrapped = wrapped._modules[CHECKPOINT_WRAPPED_MODULE]  # type: ignore[assignment]
     return wrapped
-
-
-def _get_fsdp_handles(module: nn.Module) -> list[FlatParamHandle]:
-    """The flat-parameter handles of every FSDP unit in ``module``, in module order."""
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-
-    return [
-        unit._handle
-        for unit in FullyShardedDataParallel.fsdp_modules(module)
-        if unit._handle is not None
-    ]

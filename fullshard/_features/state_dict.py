@@ -29,7 +29,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,21 +37,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from ._comm import collectives as comm
-from ._comm.groups import ShardingGroups
-from ._flat_segment import FlatSegment
-from ._traversal import (
+from .._comm import collectives as comm
+from .._comm.groups import ShardingGroups
+from .._engine.flat_param import FlatParameter, FlatParamHandle, HandleState
+from .._engine.flat_segment import FlatSegment
+from .._engine.names import (
     CHECKPOINT_WRAPPED_MODULE,
     FLAT_PARAM_NAMES,
     FSDP_PREFIX,
-    FSDP_WRAPPED_MODULE,
     clean_fqn,
 )
-from .api import FullStateDictConfig, StateDictConfig, StateDictType
-from .flat_param import FlatParameter, FlatParamHandle, HandleState
-
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
+from .._engine.runtime import TrainingState
+from .._engine.unit import Unit, unit_of, units_in
+from ..api import FullStateDictConfig, StateDictConfig, StateDictType
 
 __all__: list[str] = []
 
@@ -70,33 +68,25 @@ class _Entry:
     """A buffer's own dtype where mixed precision may have cast it."""
 
 
-def _units(root: nn.Module) -> list[FullyShardedDataParallel]:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-
-    return FullyShardedDataParallel.fsdp_modules(root)
-
-
-def _check_idle(units: list[FullyShardedDataParallel], verb: str) -> None:
-    from ._runtime import TrainingState
-
+def _check_idle(units: list[Unit], verb: str) -> None:
     for unit in units:
-        if unit._runtime.training_state != TrainingState.IDLE:
+        if unit.runtime.training_state != TrainingState.IDLE:
             raise RuntimeError(
                 f"{verb} must be called outside forward/backward and summon_full_params "
-                f"(FSDP unit '{unit._handle.label if unit._handle else type(unit.module).__name__}'"
+                f"(FSDP unit '{unit.handle.label if unit.handle else type(unit.module).__name__}'"
                 " is in use)"
             )
 
 
 def _plan(
-    root: nn.Module, units: list[FullyShardedDataParallel], prefix: str
-) -> tuple[list[_Entry], dict[str, Any], dict[str, FullyShardedDataParallel]]:
+    root: nn.Module, units: list[Unit], prefix: str
+) -> tuple[list[_Entry], dict[str, Any], dict[str, Unit]]:
     """The state dict's keys in ``nn.Module`` order with their sources, ``_metadata``, and
     each unit under its clean path (the first, where a unit is reachable twice)."""
     managed: dict[tuple[int, str], tuple[FlatParamHandle, int]] = {}
     names_by_module: dict[int, list[str]] = {}
     for unit in units:
-        handle = unit._handle
+        handle = unit.handle
         if handle is None:
             continue
         for index, owners in enumerate(handle.owners):
@@ -104,18 +94,19 @@ def _plan(
                 managed[(id(module), name)] = (handle, index)
                 names_by_module.setdefault(id(module), []).append(name)
     buffer_dtypes = {
-        (id(module), name): dtype for unit in units for module, name, dtype in unit._managed_buffers
+        (id(module), name): dtype for unit in units for module, name, dtype in unit.managed_buffers
     }
-    unit_ids = {id(unit) for unit in units}
+    unit_by_module = {id(unit.fsdp_module): unit for unit in units}
     entries: list[_Entry] = []
     metadata: dict[str, Any] = {}
-    unit_paths: dict[str, FullyShardedDataParallel] = {}
+    unit_paths: dict[str, Unit] = {}
 
     def visit(module: nn.Module, path: str) -> None:
-        if id(module) in unit_ids:
-            if all(unit is not module for unit in unit_paths.values()):
-                unit_paths[path] = module  # type: ignore[assignment]
-            visit(module._modules[FSDP_WRAPPED_MODULE], path)  # type: ignore[arg-type]
+        unit = unit_by_module.get(id(module))
+        if unit is not None and unit.module is not module:  # a wrapper: adds no key part
+            if all(known is not unit for known in unit_paths.values()):
+                unit_paths[path] = unit
+            visit(unit.module, path)
             return
         metadata[path[:-1]] = {"version": getattr(module, "_version", None)}
         for name, param in module._parameters.items():
@@ -234,15 +225,13 @@ def _sharded_value(
     )
 
 
-def unit_state_dict(
-    root: FullyShardedDataParallel, destination: Any, prefix: str, keep_vars: bool
-) -> Any:
+def unit_state_dict(root: Unit, destination: Any, prefix: str, keep_vars: bool) -> Any:
     """``root.state_dict()`` in its state dict type (see [Note: state dict keys])."""
-    units = _units(root)
+    units = units_in(root.fsdp_module)
     _check_idle(units, "state_dict()")
-    state_dict_type = root._state_dict_type
-    config = root._state_dict_config
-    entries, metadata, unit_paths = _plan(root, units, prefix)
+    state_dict_type = root.state_dict_type
+    config = root.state_dict_config
+    entries, metadata, unit_paths = _plan(root.fsdp_module, units, prefix)
     if destination is None:
         destination = OrderedDict()
         destination._metadata = OrderedDict()
@@ -258,7 +247,7 @@ def unit_state_dict(
     values: dict[str, Any] = {}
     if state_dict_type == StateDictType.LOCAL_STATE_DICT:
         for path, unit in unit_paths.items():
-            handle = unit._handle
+            handle = unit.handle
             if handle is not None:
                 for name, segment in zip(FLAT_PARAM_NAMES, handle.segments):
                     values[path + name] = _local_value(handle, segment, device_type, config)
@@ -351,7 +340,7 @@ def _as_full(value: Any, key: str) -> torch.Tensor:
 
 
 def load_pre_hook(
-    unit: FullyShardedDataParallel,
+    fsdp_module: nn.Module,
     state_dict: dict[str, Any],
     prefix: str,
     local_metadata: Any,
@@ -360,19 +349,21 @@ def load_pre_hook(
     unexpected_keys: list[str],
     error_msgs: list[str],
 ) -> None:
-    """Registered on every unit: see [Note: state dict keys]."""
+    """Registered on every FSDP1 wrapper: see [Note: state dict keys]."""
+    unit = unit_of(fsdp_module)
+    assert unit is not None, "load_pre_hook is registered on units only"
     wrapped = prefix + FSDP_PREFIX
     for key in list(state_dict):
         if key.startswith(prefix) and not key.startswith(wrapped):
             state_dict[wrapped + key[len(prefix) :]] = state_dict.pop(key)
-    handle = unit._handle
+    handle = unit.handle
     if handle is None:
         return
     _check_idle([unit], "load_state_dict()")  # each unit's hook checks its own
     if handle.state != HandleState.SHARDED:
         handle.reshard()
-    paths = _module_paths(unit._fsdp_wrapped_module)
-    if unit._state_dict_type == StateDictType.LOCAL_STATE_DICT:
+    paths = _module_paths(unit.module)
+    if unit.state_dict_type == StateDictType.LOCAL_STATE_DICT:
         for name, segment in zip(FLAT_PARAM_NAMES, handle.segments):
             value = state_dict.pop(wrapped + name, None)
             if value is None:
@@ -401,7 +392,7 @@ def load_pre_hook(
                 del state_dict[key]
             handle.load_full_param(index, _as_full(value, found[0]))
     # What nn.Module's own loading of the wrapped modules will look for: no-op copies.
-    if not unit._use_orig_params:
+    if not unit.settings.use_orig_params:
         for name, flat_param in zip(FLAT_PARAM_NAMES, handle.flat_params):
             state_dict[wrapped + name] = flat_param
     else:

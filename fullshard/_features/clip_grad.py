@@ -12,16 +12,12 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from ._comm import collectives as comm
-from ._traversal import _get_fsdp_handles
-
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
+from .._comm import collectives as comm
+from .._engine.unit import Unit, handles_in
 
 __all__: list[str] = []
 
@@ -41,9 +37,7 @@ def _norm_power(grads: list[torch.Tensor], norm_type: float, device: torch.devic
     return norms.pow(norm_type).sum()
 
 
-def clip_grad_norm_(
-    root: FullyShardedDataParallel, max_norm: float, norm_type: float
-) -> torch.Tensor:
+def clip_grad_norm_(root: Unit, max_norm: float, norm_type: float) -> torch.Tensor:
     max_norm = float(max_norm)
     norm_type = float(norm_type)
     if norm_type <= 0:
@@ -53,7 +47,7 @@ def clip_grad_norm_(
     sharded: dict[dist.ProcessGroup, list[torch.Tensor]] = {}
     replicated: list[torch.Tensor] = []
     managed: set[int] = set()
-    for handle in _get_fsdp_handles(root):
+    for handle in handles_in(root.fsdp_module):
         params = handle.orig_params if handle._use_orig_params else [handle.flat_param]
         managed.update(id(p) for p in params)
         managed.update(id(flat_param) for flat_param in handle.flat_params)
@@ -65,7 +59,7 @@ def clip_grad_norm_(
             replicated.extend(grads)
     # Parameters no unit manages (none today; ignored modules later) are replicated.
     replicated.extend(
-        p.grad for p in root.parameters() if id(p) not in managed and p.grad is not None
+        p.grad for p in root.fsdp_module.parameters() if id(p) not in managed and p.grad is not None
     )
     all_grads = [g for grads in sharded.values() for g in grads] + replicated
 
@@ -80,7 +74,7 @@ def clip_grad_norm_(
         total = torch.maximum(total, local) if is_inf else total + local
     if not is_inf:
         total = total.pow(1.0 / norm_type)
-    if root.cpu_offload.offload_params:
+    if root.settings.offload_params:
         total = total.cpu()
 
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -88,7 +82,7 @@ def clip_grad_norm_(
         grad.detach().mul_(clip_coef.to(device=grad.device, dtype=grad.dtype))
     if not all_grads:
         warnings.warn(
-            f"Called FSDP.clip_grad_norm_() on rank {root.rank} with no gradients -- returning "
+            f"Called FSDP.clip_grad_norm_() on rank {root.settings.groups.shard_rank} with no gradients -- returning "
             f"the total norm in the default dtype {total.dtype}",
             stacklevel=3,
         )

@@ -29,9 +29,9 @@ import torch
 from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
-from ._compile import eager
-from ._exec_order import ExecOrderValidator, validation_enabled
-from .api import BackwardPrefetch, ShardingStrategy
+from ..api import BackwardPrefetch, ShardingStrategy
+from .compile import eager
+from .exec_order import ExecOrderValidator, validation_enabled
 from .flat_param import FlatParamHandle, HandleState
 
 __all__: list[str] = []
@@ -276,7 +276,7 @@ class RootState:
         """Units with parameters, in the order their forward first ran this step."""
         self.exec_order = ExecOrderValidator([unit.handle for unit in units])
         """Used under TORCH_DISTRIBUTED_DEBUG=DETAIL only (see [Note: execution-order
-        validation] in _exec_order.py)."""
+        validation] in exec_order.py)."""
         self._forward_ranges: dict[int, NestedForwards] = {}
         """Per thread (autograd numbers nodes per thread), where each unit's forward is in
         autograd's sequence numbers, this step."""

@@ -50,20 +50,21 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import Any, TypeGuard
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import api
-from ._comm import collectives as comm
-from ._traversal import CHECKPOINT_WRAPPED_MODULE, FSDP_WRAPPED_MODULE
-from .flat_param import FlatParameter
-
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
+from .. import api
+from .._comm import collectives as comm
+from .._engine.flat_param import FlatParameter
+from .._engine.names import CHECKPOINT_WRAPPED_MODULE, FSDP_WRAPPED_MODULE
+from .._engine.unit import unit_of, units_in
+from . import optim_state_dict as _optim_sd
+from . import optim_state_dict_load as _optim_load
+from .state_dict_type import state_dict_type as state_dict_type_of_units
 
 __all__ = ["install_when_imported"]
 
@@ -94,15 +95,11 @@ def _originals() -> _TorchOriginals:
 
 
 def _fullshard_units(module: nn.Module, root_only: bool = False) -> list[nn.Module]:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-
-    return list(FullyShardedDataParallel.fsdp_modules(module, root_only))
+    return [unit.fsdp_module for unit in units_in(module, root_only)]
 
 
-def _is_fullshard_unit(module: object) -> TypeGuard[FullyShardedDataParallel]:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-
-    return isinstance(module, FullyShardedDataParallel)
+def _is_fullshard_unit(module: object) -> TypeGuard[nn.Module]:
+    return isinstance(module, nn.Module) and unit_of(module) is not None
 
 
 # -- FSDP ------------------------------------------------------------------------------------
@@ -148,9 +145,7 @@ class _AnyFSDP(metaclass=_AnyFSDPMeta):
             return torch_fsdp.state_dict_type(
                 module, state_dict_type, state_dict_config, optim_state_dict_config
             )
-        from .fully_sharded_data_parallel import FullyShardedDataParallel
-
-        return FullyShardedDataParallel.state_dict_type(
+        return state_dict_type_of_units(
             module,
             api.StateDictType[state_dict_type.name],
             _fullshard_config(state_dict_config),
@@ -167,9 +162,7 @@ class _AnyFSDP(metaclass=_AnyFSDPMeta):
         if not _fullshard_units(model):
             torch_fsdp: Any = _originals().fsdp
             return dict(torch_fsdp.optim_state_dict(model, optim, optim_state_dict, group=group))
-        from .fully_sharded_data_parallel import FullyShardedDataParallel
-
-        return FullyShardedDataParallel.optim_state_dict(
+        return _optim_sd.optim_state_dict(
             model, optim, optim_state_dict, group=_fullshard_group(model, group)
         )
 
@@ -189,11 +182,9 @@ class _AnyFSDP(metaclass=_AnyFSDPMeta):
                     model, optim, optim_state_dict, is_named_optimizer, load_directly, group
                 )
             )
-        from .fully_sharded_data_parallel import FullyShardedDataParallel
-
         group = _fullshard_group(model, group)
         _check_same_sharded_states(optim_state_dict, group)
-        return FullyShardedDataParallel.optim_state_dict_to_load(
+        return _optim_load.optim_state_dict_to_load(
             model, optim, optim_state_dict, is_named_optimizer, load_directly, group=group
         )
 
@@ -247,8 +238,8 @@ _HYBRID = (api.ShardingStrategy.HYBRID_SHARD, api.ShardingStrategy._HYBRID_SHARD
 def _fullshard_group(model: nn.Module, group: Any) -> Any:
     """torch passes the first unit's ``process_group``: the shard group, which for hybrid
     strategies is not every rank; fullshard's default (None, the whole world) is right there."""
-    for unit in _fullshard_units(model):
-        if getattr(unit, "sharding_strategy", None) in _HYBRID:
+    for unit in units_in(model):
+        if unit.settings.strategy in _HYBRID:
             return None
     return group
 
@@ -268,11 +259,12 @@ def _is_compiled(module: nn.Module) -> bool:
     return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
-def _flat_param_fqns(unit: FullyShardedDataParallel, flat_param: FlatParameter) -> list[str]:
-    """The FQNs (relative to ``unit``) of the original parameters in ``flat_param``."""
-    from ._optim_state_dict import _model_params
-
-    params, _ = _model_params(unit, [unit])
+def _flat_param_fqns(module: nn.Module, flat_param: FlatParameter) -> list[str]:
+    """The FQNs (relative to ``module``, a unit's) of the original parameters in
+    ``flat_param``."""
+    unit = unit_of(module)
+    assert unit is not None
+    params, _ = _optim_sd._model_params(module, [unit])
     return list(params[id(flat_param)].fqns)
 
 
@@ -290,7 +282,7 @@ def _fqns(
 
     parts: list[str] = []
     module: nn.Module | None = model
-    unit: FullyShardedDataParallel | None = None  # the innermost fullshard unit on the way
+    unit: nn.Module | None = None  # the innermost fullshard unit on the way
     tokens = name.split(".")
     for token in tokens:
         if module is None:  # past a parameter, buffer or extra state

@@ -1,0 +1,387 @@
+"""The handle that owns an FSDP unit's flat parameters, their views and their gradients.
+
+A unit's parameters are flattened into one flat segment, or two when they differ in
+``requires_grad`` (see [Note: frozen parameters]); each segment (``_flat_segment``) owns its
+``FlatParameter`` (this rank's shard, the optimizer's master copy), the padded unsharded
+buffer the all-gather writes into, and the autograd leaf modules compute with. The handle
+owns what spans segments: the unit's state (``HandleState``), the dtypes, which module
+attributes refer to which parameter's view, and the gradient: the trainable segment's leaf
+accumulates the unsharded gradient, its post-accumulate-grad hook is the unit's post-backward,
+and the reduced, sharded gradient lives on ``flat_param.grad``.
+
+``flat_param`` is the first segment's flat parameter: the only one of a uniform unit, the
+trainable one of a mixed unit. With ``use_orig_params`` the original parameters are 1-D views
+of their pieces of their segment's shard.
+
+See [Note: a separate unsharded leaf] for why ``flat_param`` itself never changes storage,
+and [Note: mixed precision] for the dtypes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._comm.groups import ShardingGroups
+from ..api import MixedPrecision, ShardingStrategy
+from .flat_segment import FlatParameter, FlatSegment
+from .grads import GradReduction, _PendingReduction, assign_grad
+from .handle_state import HandleState
+from .layout import ParamSlot, ShardPiece, UnitLayout, make_unit_layout
+from .orig_params import OrigParamViews
+
+__all__ = ["FlatParamHandle", "FlatParameter", "HandleState"]
+
+_FSDP_USE_UNSAFE_SETATTR = "FSDP_USE_UNSAFE_SETATTR"
+"""When "1", module attributes are swapped without calling the module's ``__setattr__``."""
+
+# [Note: a separate unsharded leaf]
+# torch FSDP1 swaps `flat_param.data` between the shard and the unsharded buffer, so one
+# tensor has two identities and its `.grad` must be shuffled aside before each backward.
+# Here `flat_param` is the shard, always. Compute uses `_unsharded_flat_param`, a leaf that
+# shares the storage of `_full_param_padded` but has its own version counter (it is made with
+# `set_`, not as a view), so refilling the storage by all-gather before backward does not trip
+# autograd's saved-tensor checks. Its `.grad` is the unsharded gradient, which accumulates
+# naturally under `no_sync()`; the sharded gradient lives on `flat_param.grad`.
+
+# [Note: mixed precision]
+# Three dtypes per handle, named as torch's FSDP names them:
+# - `_orig_param_dtype`: the parameters' own dtype, the dtype of the shard (the optimizer's
+#   master copy). A model converted with `.half()` after wrapping changes it (see `adopt_shards`).
+# - `_fwd_bwd_param_dtype`: `MixedPrecision.param_dtype`, else the original dtype. The shard is
+#   cast to it *before* the all-gather, so the wire carries the low-precision bytes, and the
+#   unsharded leaf (and so the unsharded gradient) is in it.
+# - `_reduce_dtype`: `MixedPrecision.reduce_dtype`, else `param_dtype`, else the original dtype.
+# After the reduction the sharded gradient is cast back to the original dtype (so the optimizer
+# steps in full precision) unless `keep_low_precision_grads`. A unit unsharded in full precision
+# (`summon_full_params`, eval under FSDP_USE_FULL_PREC_IN_EVAL=1) gathers and reduces in the
+# original dtype, through a second buffer and leaf (`_full_prec_full_param_padded`), so the
+# compute-dtype leaf that a pending backward's graph refers to is never replaced.
+
+
+# [Note: frozen parameters]
+# A unit whose parameters differ in `requires_grad` (a frozen base with trainable adapters:
+# LoRA, PEFT) keeps them in two flat segments, each padded and sharded on its own (see
+# `layout.UnitLayout`): the trainable segment, whose flat parameter is `flat_param`, and the
+# frozen one, a second `FlatParameter` with requires_grad=False. Only the trainable segment's
+# leaf requires grad, so autograd allocates the unsharded gradient for the trainable
+# parameters only, the reduce-scatter sends only it, `flat_param.grad` is only its shard and,
+# with use_orig_params=False, the optimizer's state covers only trainable elements. torch's
+# FSDP1 refuses such units with use_orig_params=False and, with True, computes and reduces a
+# gradient for the whole unit, frozen elements included. The price is a second all-gather
+# per unshard (one per segment). Frozen views do not require grad, yet autograd may still
+# read them (to compute input gradients) after the trainable leaf's post-backward hook, so
+# the runtime reshards such a unit once its forward inputs' gradients are computed too
+# (`has_frozen_segment`; see [Note: resharding units with frozen parameters] in runtime.py).
+
+
+class FlatParamHandle(OrigParamViews, GradReduction):
+    """Owns a unit's flat parameters: their storage (one or two segments), views and gradient.
+
+    Parameters are given in registration order; ``owners[i]`` lists every ``(module, attr)``
+    that refers to parameter ``i`` (more than one when a parameter is shared, e.g. tied
+    weights). ``device`` is the compute device; with ``offload_params`` the shards and the
+    gradient live on the CPU instead.
+    """
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        owners: list[list[tuple[nn.Module, str]]],
+        fqns: list[str],
+        groups: ShardingGroups,
+        strategy: ShardingStrategy,
+        use_orig_params: bool,
+        device: torch.device,
+        label: str,
+        mixed_precision: MixedPrecision | None = None,
+        offload_params: bool = False,
+    ) -> None:
+        if not params:
+            raise ValueError("a FlatParamHandle needs at least one parameter")
+        self._check_uniform_dtype(params, fqns)
+        self.label = label
+        self.groups = groups
+        self.sharding_strategy = strategy
+        self.uses_sharded_strategy = strategy != ShardingStrategy.NO_SHARD
+        self._use_orig_params = use_orig_params
+        self._unsafe_setattr = os.environ.get(_FSDP_USE_UNSAFE_SETATTR, "") == "1"
+        self.device = device
+        self._offload_params = offload_params
+        self._mixed_precision = mixed_precision
+        self._orig_params: list[nn.Parameter] = list(params)
+        self._owners = owners
+        num_shards = groups.shard_size if self.uses_sharded_strategy else 1
+        self.layout: UnitLayout = make_unit_layout(
+            fqns, [p.shape for p in params], [p.requires_grad for p in params], num_shards
+        )
+        self._orig_param_dtype: torch.dtype = params[0].dtype
+        self._fwd_bwd_param_dtype: torch.dtype = params[0].dtype
+        self._reduce_dtype: torch.dtype = params[0].dtype
+        self._keep_low_precision_grads = bool(
+            mixed_precision is not None and mixed_precision.keep_low_precision_grads
+        )
+        self._set_dtypes(params[0].dtype)
+        self._segments: tuple[FlatSegment, ...] = self._make_segments(params)
+        """The trainable segment first (see [Note: frozen parameters])."""
+        self.flat_param: FlatParameter = self._segments[0].flat_param
+        self._post_backward_hook: Callable[[], None] | None = None
+        self.state = HandleState.SHARDED
+        self._pending_reduction: _PendingReduction | None = None
+        self._has_optim_in_backward = False
+        """Original parameters step their own optimizers as gradients are reduced (see
+        [Note: optimizer in backward]); set at lazy initialisation."""
+        self.exposes_unsharded_params = False
+        """Inside ``summon_full_params``: modules see the full parameters as Parameters."""
+        self._exposes_unsharded_grads = False
+        """Inside ``summon_full_params(with_grads=True)``: original ``.grad`` s are full."""
+        self._release_orig_params()
+
+    # -- construction -------------------------------------------------------------------
+
+    @staticmethod
+    def _check_uniform_dtype(params: list[nn.Parameter], fqns: list[str]) -> None:
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            found = ", ".join(f"{fqn}: {p.dtype}" for fqn, p in zip(fqns, params))
+            raise ValueError(
+                f"FSDP expects every parameter of one unit to have the same dtype, got {found}; "
+                "cast the module to one dtype or wrap the differing modules in their own units"
+            )
+
+    def _make_segments(self, params: list[nn.Parameter]) -> tuple[FlatSegment, ...]:
+        segments = []
+        for index, segment_layout in enumerate(self.layout.segments):
+            indices = self.layout.param_indices(index)
+            segment = FlatSegment(
+                segment_layout,
+                indices,
+                [params[i] for i in indices],
+                self.groups,
+                self.uses_sharded_strategy,
+                self.device,
+                self._offload_params,
+                self._fwd_bwd_param_dtype,
+            )
+            segments.append(segment)
+        return tuple(segments)
+
+    def _set_dtypes(self, orig_dtype: torch.dtype) -> None:
+        """Resolve the three dtypes of [Note: mixed precision] from the parameters' dtype."""
+        mp = self._mixed_precision
+        self._orig_param_dtype = orig_dtype
+        param_dtype = mp.param_dtype if mp is not None else None
+        reduce_dtype = mp.reduce_dtype if mp is not None else None
+        self._fwd_bwd_param_dtype = param_dtype or orig_dtype
+        self._reduce_dtype = reduce_dtype or param_dtype or orig_dtype
+
+    @property
+    def _shard_device(self) -> torch.device:
+        return torch.device("cpu") if self._offload_params else self.device
+
+    @property
+    def segments(self) -> tuple[FlatSegment, ...]:
+        """The unit's flat segments: trainable (or the only one) first, then frozen."""
+        return self._segments
+
+    @property
+    def flat_params(self) -> list[FlatParameter]:
+        """Each segment's flat parameter, ``flat_param`` first."""
+        return [segment.flat_param for segment in self._segments]
+
+    @property
+    def has_frozen_segment(self) -> bool:
+        """Some parameters are frozen: autograd reads their views to compute input gradients
+        with no post-backward hook of theirs telling when it is done (see [Note: frozen
+        parameters])."""
+        return any(not segment.requires_grad for segment in self._segments)
+
+    def segment_of(self, index: int) -> FlatSegment:
+        """The segment holding parameter ``index`` (registration order)."""
+        return self._segments[self.layout.locations[index][0]]
+
+    def slot(self, index: int) -> ParamSlot:
+        """Parameter ``index``'s slot in its segment's layout."""
+        return self.layout.slot(index)
+
+    def piece(self, index: int) -> ShardPiece | None:
+        """Parameter ``index``'s piece of this rank's shard of its segment (None if none)."""
+        segment, slot = self.layout.locations[index]
+        return self._segments[segment].pieces[slot]
+
+    def _segment_label(self, segment_index: int) -> str:
+        """Names a segment's collectives: the unit's label, marked for the frozen segment."""
+        return self.label if segment_index == 0 else f"{self.label} (frozen)"
+
+    def _dtype_for(self, full_precision: bool) -> torch.dtype:
+        return self._orig_param_dtype if full_precision else self._fwd_bwd_param_dtype
+
+    def check_adoptable(self, converted: torch.Tensor, segment: int = 0) -> None:
+        """Whether segment ``segment``'s flat parameter can take ``converted`` in place."""
+        self._segments[segment].check_adoptable(converted, self.label)
+
+    def adopt_shards(self, local_shards: list[torch.Tensor], grad: torch.Tensor | None) -> None:
+        """Make ``local_shards`` (one per segment) and ``grad`` (``flat_param``'s) the shards
+        after ``module.half()``, ``.to()``...
+
+        ``nn.Module._apply`` converts registered parameters by replacing their data; this
+        re-points the shards, the unsharded buffers, the leaves and the original parameters'
+        views at the converted tensors. The compute device stays: a shard moved elsewhere is
+        reported at the next forward (``init.check_on_compute_device``).
+        """
+        self._assert_state(HandleState.SHARDED, "adopt_shards")
+        assert len(local_shards) == len(self._segments)
+        for index, local_shard in enumerate(local_shards):
+            self.check_adoptable(local_shard, index)
+        if self.has_unsharded_grad() or self._pending_reduction is not None:
+            raise RuntimeError(
+                f"cannot convert FSDP unit '{self.label}' while it holds an unreduced gradient "
+                "(between backward and the end of a no_sync() block); convert before training "
+                "or after the optimizer step"
+            )
+        self._set_dtypes(local_shards[0].dtype)
+        for segment, local_shard in zip(self._segments, local_shards):
+            segment.adopt(local_shard, self._fwd_bwd_param_dtype)
+        if grad is not None and self._offload_params:
+            grad = self._segments[0].pinned(grad)
+        if grad is not None and grad.dtype == local_shards[0].dtype:
+            self.flat_param.grad = grad
+        elif grad is not None:
+            assign_grad(self.flat_param, grad)
+        if self._use_orig_params:
+            self._use_sharded_params()
+            self._use_sharded_grad_views()
+
+    # -- parameters -----------------------------------------------------------------------
+
+    @property
+    def orig_params(self) -> list[nn.Parameter]:
+        return list(self._orig_params)
+
+    @property
+    def owners(self) -> list[list[tuple[nn.Module, str]]]:
+        """Per parameter, every ``(module, attr)`` that refers to it."""
+        return [list(slot_owners) for slot_owners in self._owners]
+
+    @property
+    def param_fqns(self) -> list[str]:
+        return [self.slot(index).fqn for index in range(self.layout.num_params)]
+
+    def full_param_views(self) -> list[torch.Tensor]:
+        """Detached views of the unsharded parameters (the handle must be unsharded)."""
+        self._assert_state(HandleState.UNSHARDED, "full_param_views")
+        return [view.detach() for view in self._unsharded_views()]
+
+    def load_full_param(self, index: int, value: torch.Tensor) -> None:
+        """Copy this rank's piece of parameter ``index``'s full ``value`` into its shard."""
+        self._assert_state(HandleState.SHARDED, "load_full_param")
+        slot = self.slot(index)
+        if value.shape != slot.shape:
+            raise ValueError(
+                f"cannot load '{slot.fqn}' of FSDP unit '{self.label}': the state dict has shape "
+                f"{tuple(value.shape)} but the parameter has shape {tuple(slot.shape)}"
+            )
+        self.segment_of(index).load_piece(self.layout.locations[index][1], value)
+
+    def full_params_on_first_rank(self, device: torch.device | None) -> list[torch.Tensor] | None:
+        """The full parameters (views of fresh memory, moved to ``device`` if given) on the
+        shard group's first rank; the other ranks only send their shards and get None. For
+        ``rank0_only`` state dicts: no rank but the first allocates a unit-sized buffer."""
+        views: dict[int, torch.Tensor] = {}
+        for index, segment in enumerate(self._segments):
+            shard = segment.flat_param._local_shard.detach()  # the master copy
+            flat = segment.gather_flat_to_first_rank(shard, self._segment_label(index))
+            if flat is None:
+                continue
+            if device is not None and flat.device != device:
+                flat = flat.to(device)
+            views.update(zip(segment.indices, segment.views_of_flat(flat)))
+        if self.groups.shard_rank != 0:
+            return None
+        return [views[index] for index in range(self.layout.num_params)]
+
+    @property
+    def offload_params(self) -> bool:
+        """The shards and the gradient live on the CPU (``CPUOffload(offload_params=True)``)."""
+        return self._offload_params
+
+    # -- state transitions ------------------------------------------------------------------
+
+    def _assert_state(self, expected: HandleState, verb: str) -> None:
+        if self.state != expected:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            raise AssertionError(
+                f"[rank {rank}] fullshard internal error: {verb}() of unit '{self.label}' "
+                f"expects state {expected.name}, found {self.state.name}"
+            )
+
+    def unsharded_matches(self, full_precision: bool) -> bool:
+        """Whether the unsharded (or last unsharded) parameters are in the requested precision."""
+        segment = self._segments[0]
+        return segment.active is segment.unsharded_for(self._dtype_for(full_precision))
+
+    @property
+    def unsharded_leaf(self) -> torch.Tensor:
+        """The trainable (or only) leaf modules' views refer to while unsharded (the last one
+        used otherwise)."""
+        return self._segments[0].active.leaf
+
+    @property
+    def _unsharded_flat_param(self) -> torch.Tensor:
+        """torch's name for ``unsharded_leaf``."""
+        return self.unsharded_leaf
+
+    def unshard(self, full_precision: bool = False) -> None:
+        """Issue the all-gather of every rank's shard into `_full_param_padded` (async), one
+        per segment.
+
+        The shard is cast to the compute dtype (``param_dtype``, or the original dtype with
+        ``full_precision``) and moved to the compute device first, so the collective carries
+        the compute dtype's bytes.
+        """
+        self._assert_state(HandleState.SHARDED, "unshard")
+        self._write_back_orig_params()
+        dtype = self._dtype_for(full_precision)
+        in_flight = False
+        for index, segment in enumerate(self._segments):
+            in_flight |= segment.unshard(dtype, self._segment_label(index))
+        self.state = HandleState.UNSHARDING if in_flight else HandleState.UNSHARDED
+
+    def wait_unshard(self) -> None:
+        """Block until the unsharded parameters are ready."""
+        if self.state == HandleState.UNSHARDING:
+            for segment in self._segments:
+                segment.wait_unshard()
+            self.state = HandleState.UNSHARDED
+        self._assert_state(HandleState.UNSHARDED, "wait_unshard")
+
+    def reshard(self) -> None:
+        """Free the unsharded storage and give modules back their sharded parameters."""
+        if self.state == HandleState.UNSHARDING:
+            self.wait_unshard()
+        self._assert_state(HandleState.UNSHARDED, "reshard")
+        for segment in self._segments:
+            segment.reshard()
+        if self._use_orig_params:
+            self._use_sharded_params()
+        self.state = HandleState.SHARDED
+
+    def unsharded_storage_size(self) -> int:
+        """Bytes held by the unsharded buffers (0 when resharded)."""
+        return sum(segment.storage_size() for segment in self._segments)
+
+    # -- gradients --------------------------------------------------------------------------
+    # Only `flat_param`'s segment can require grad (see [Note: frozen parameters]).
+
+    # [Note: optimizer in backward]
+    # `torch.distributed.optim._apply_optimizer_in_backward(..., register_hook=False)` gives
+    # each parameter its own optimizers (`param._in_backward_optimizers`) and leaves running
+    # them to FSDP: as soon as a unit's sharded gradient is final, each original parameter
+    # with a gradient steps and its gradient is freed, so no sharded gradient outlives the
+    # backward. Only `use_orig_params=True` exposes the original parameters to optimizers.
+
+    # -- summon_full_params -----------------------------------------------------------------

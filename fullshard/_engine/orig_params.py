@@ -1,0 +1,456 @@
+"""The original parameters of a unit: views of its flat parameters that modules see, their
+gradients, and what happens when a user changes them after wrapping. A part of
+``FlatParamHandle`` (see ``flat_param``), which supplies the storage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .._comm import collectives as comm
+from .._comm.groups import ShardingGroups
+from ..api import ShardingStrategy
+from .flat_segment import FlatParameter, FlatSegment
+from .grads import assign_grad
+from .handle_state import HandleState
+from .layout import ParamSlot, UnitLayout
+
+__all__ = ["OrigParamChangedError"]
+
+# [Note: requires_grad changed after wrapping]
+# Users freeze parts of a wrapped model (`for p in model.trunk.parameters(): p.requires_grad =
+# False`, on the FlatParameter or, with use_orig_params, on the original parameters) and
+# unfreeze them later (staged fine-tuning). As torch does, the root's pre-forward re-reads the
+# flags of every unit (`sync_requires_grad`): a segment trains iff its flat parameter requires
+# grad (use_orig_params=False) or any of its original parameters does (True); its leaves
+# follow, so a frozen segment's views carry no autograd history and it gets no gradient, no
+# reduce-scatter and no `.grad`. With use_orig_params, an original parameter that does not
+# require grad gets no `.grad` even when the rest of its segment trains (its elements are
+# still computed and reduced with the segment's, as in torch). The one change that cannot be
+# honoured is unfreezing the frozen segment of a unit that was mixed at wrapping (see [Note:
+# frozen parameters]): it has no gradient path, so the forward raises instead of silently
+# never training it. A change made between a forward and its backward applies from the next
+# forward, as in torch.
+
+
+# [Note: original parameters changed after wrapping]
+# With use_orig_params=True, outside forward each original parameter is registered on its
+# module holding this rank's piece of its unit's shard (flattened; whole under NO_SHARD), and
+# an optimizer over it updates the shard in place. Users also change them otherwise, as
+# torch's FSDP lets them: `param.data = t`, or `module.weight = nn.Parameter(t)`, with `t` of
+# the piece's shape. Before its shards are gathered (`unshard`: forward, backward, summon,
+# state dicts) a unit writes such a change back into its shard, as torch's does, and a new
+# Parameter becomes the unit's from then on (its `.grad` is not kept, as in torch); silently
+# training the old storage would lose the change. A tensor of another shape cannot be written
+# back (torch's "Cannot writeback when the parameter shape changes"), and a tie made or undone
+# after wrapping cannot be honoured: both raise. A unit kept unsharded from its forward to its
+# backward (the root, SHARD_GRAD_OP) checks at its pre-backward instead, and raises torch's
+# "FSDP does not support changing the parameters between forward and backward": the step's
+# graph holds views of the unsharded parameters, which the change would bypass. In-place
+# changes (`param.mul_(2)`, `param.data.copy_(t)`) write the shard directly and need nothing.
+# With use_orig_params=False modules hold no Parameters between steps; one registered there
+# is reported by `_check_params_not_replaced` at the next forward.
+
+
+RELEASED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Original parameter whose values moved into a flat parameter -> its name (held weakly, not
+set on the user's parameter); see ``optimizer_check``."""
+
+
+class OrigParamChangedError(RuntimeError, AssertionError):
+    """An original parameter replaced between a forward and its backward (torch raises an
+    AssertionError; a RuntimeError too, as it is the user's doing)."""
+
+
+def _assign_plain(module: nn.Module, name: str, tensor: torch.Tensor, unsafe: bool) -> None:
+    """Make ``module.<name>`` a plain tensor attribute (not a registered parameter)."""
+    if unsafe:
+        module._parameters.pop(name, None)
+        module.__dict__[name] = tensor
+        return
+    if hasattr(module, name):
+        delattr(module, name)
+    setattr(module, name, tensor)
+
+
+def _assign_param(module: nn.Module, name: str, param: nn.Parameter, unsafe: bool) -> None:
+    """Register ``param`` as ``module.<name>``."""
+    if unsafe:
+        module.__dict__.pop(name, None)
+        module._parameters[name] = param
+        return
+    if hasattr(module, name):
+        delattr(module, name)
+    setattr(module, name, param)
+
+
+def _remove_attr(module: nn.Module, name: str, unsafe: bool) -> None:
+    if unsafe:
+        module._parameters.pop(name, None)
+        module.__dict__.pop(name, None)
+    elif hasattr(module, name):
+        delattr(module, name)
+
+
+class OrigParamViews:
+    """``FlatParamHandle``'s verbs on the original parameters."""
+
+    if TYPE_CHECKING:  # supplied by FlatParamHandle
+        label: str
+        device: torch.device
+        groups: ShardingGroups
+        sharding_strategy: ShardingStrategy
+        uses_sharded_strategy: bool
+        layout: UnitLayout
+        state: HandleState
+        flat_param: FlatParameter
+        exposes_unsharded_params: bool
+        _exposes_unsharded_grads: bool
+        _segments: tuple[FlatSegment, ...]
+        _orig_params: list[nn.Parameter]
+        _owners: list[list[tuple[nn.Module, str]]]
+        _use_orig_params: bool
+        _unsafe_setattr: bool
+
+        @property
+        def param_fqns(self) -> list[str]: ...
+        def segment_of(self, index: int) -> FlatSegment: ...
+        def slot(self, index: int) -> ParamSlot: ...
+        def reshard(self) -> None: ...
+        def _assert_state(self, expected: HandleState, verb: str) -> None: ...
+
+    def _release_orig_params(self) -> None:
+        """Hand the original parameters' storage over to the flat parameter."""
+        if self._use_orig_params:
+            self._use_sharded_params()
+            return
+        for param, slot_owners, fqn in zip(self._orig_params, self._owners, self.param_fqns):
+            for module, name in slot_owners:
+                _remove_attr(module, name, self._unsafe_setattr)
+            # The handle keeps the object only to recognise it; its values now live in the
+            # flat parameter, so drop the original storage.
+            param.data = param.data.new_empty(0)
+            RELEASED[param] = fqn
+
+    def _use_sharded_params(self) -> None:
+        """``use_orig_params``: original parameters registered, data = their shard pieces."""
+        for segment in self._segments:
+            views = segment.sharded_piece_views(segment.flat_param)
+            for index, view in zip(segment.indices, views):
+                self._orig_params[index].data = view.detach()
+        for param, slot_owners in zip(self._orig_params, self._owners):
+            for module, name in slot_owners:
+                _assign_param(module, name, param, self._unsafe_setattr)
+
+    def register_orig_params(self) -> None:
+        """After a forward that keeps the unit unsharded until backward (the root, or
+        SHARD_GRAD_OP), with ``use_orig_params``: modules list the original parameters (on
+        their shard pieces) again, as torch's do, so ``model.parameters()`` between forward
+        and backward sees every parameter. The step's graph keeps the unsharded views it was
+        built with; backward recomputations set them again (``use_unsharded_views``)."""
+        self._assert_state(HandleState.UNSHARDED, "register_orig_params")
+        if self._use_orig_params:
+            self._use_sharded_params()
+
+    def _unsharded_views(self) -> list[torch.Tensor]:
+        """Per parameter, its view of its segment's active leaf, linked to it by autograd.
+
+        Made with grad enabled whatever the caller's mode: autograd runs the pre-backward hook
+        with grad disabled, and a view made there would not lead back to the leaf, so a
+        recomputation in backward (activation checkpointing) would build a graph that gives
+        the parameters no gradient. See [Note: forward inside backward] in runtime.py.
+        """
+        views: dict[int, torch.Tensor] = {}
+        with torch.enable_grad():
+            for segment in self._segments:
+                views.update(zip(segment.indices, segment.leaf_views()))
+        return [views[index] for index in range(self.layout.num_params)]
+
+    def use_unsharded_views(self) -> None:
+        """Point every owner module's attribute at its view of the unsharded parameter. With
+        ``use_orig_params`` the view is also listed in the module's ``_parameters`` (a plain
+        tensor there, as torch's FSDP does), so ``named_parameters()`` called inside the
+        forward sees every original parameter, at full shape."""
+        self._assert_state(HandleState.UNSHARDED, "use_unsharded_views")
+        self._check_params_not_replaced()
+        for view, slot_owners in zip(self._unsharded_views(), self._owners):
+            for module, name in slot_owners:
+                if self._use_orig_params:
+                    module.__dict__.pop(name, None)
+                    module._parameters[name] = view  # type: ignore[assignment]
+                else:
+                    _assign_plain(module, name, view, self._unsafe_setattr)
+
+    def _check_params_not_replaced(self) -> None:
+        """Raise if the user registered another parameter where this unit manages one: FSDP
+        would silently keep training the parameter it found at wrapping time."""
+        for index, (param, slot_owners) in enumerate(zip(self._orig_params, self._owners)):
+            for module, name in slot_owners:
+                current = module._parameters.get(name)
+                # Registered there: the original (use_orig_params, while sharded), our view
+                # (use_orig_params, in forward: a plain tensor, which setattr cannot register)
+                # or nothing (flat parameters); any other Parameter is the user's.
+                if isinstance(current, nn.Parameter) and not (
+                    self._use_orig_params and current is param
+                ):
+                    fqn = self.param_fqns[index]
+                    raise RuntimeError(
+                        f"the parameter {fqn} of FSDP unit '{self.label}' was replaced after "
+                        "FullyShardedDataParallel wrapped the model; FSDP shards and trains the "
+                        "parameters it found at wrapping time. Replace, resize or tie "
+                        "parameters before wrapping (or load new values through load_state_dict"
+                        " or summon_full_params(writeback=True))"
+                    )
+
+    def _write_back_orig_params(self) -> None:
+        """``use_orig_params``, before the shards are gathered: adopt what the user did to the
+        original parameters since they were last given their shard pieces (see [Note: original
+        parameters changed after wrapping])."""
+        if not self._use_orig_params:
+            return
+        changed = False
+        for index, view in self._orig_param_pieces():
+            param = self._registered_orig_param(index, view)
+            if param is None:  # unregistered for now (summon, state dicts): nothing to adopt
+                continue
+            if param is not self._orig_params[index]:
+                self._orig_params[index] = param  # its .grad, if any, is not kept (torch)
+                changed = True
+            if view.numel() > 0 and param.data_ptr() != view.data_ptr():
+                with torch.no_grad():
+                    view.copy_(param.detach())
+                changed = True
+        if changed:
+            self._use_sharded_params()
+
+    def _orig_param_pieces(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """Each original parameter's index and its piece of the shard (empty if none)."""
+        for segment in self._segments:
+            yield from zip(segment.indices, segment.sharded_piece_views(segment.flat_param))
+
+    def _registered_orig_param(self, index: int, view: torch.Tensor) -> nn.Parameter | None:
+        """The Parameter the owners of parameter ``index`` hold now, if it can be written back
+        into ``view`` (its shard piece): the same object in every owner, not another of this
+        unit's parameters, and of the piece's shape."""
+        held = [module._parameters.get(name) for module, name in self._owners[index]]
+        param = held[0]
+        if param is None or not isinstance(param, nn.Parameter):
+            return None
+        fqn = self.param_fqns[index]
+        replaced = param is not self._orig_params[index]
+        if any(p is not param for p in held) or (
+            replaced and any(param is other for other in self._orig_params)
+        ):
+            raise RuntimeError(
+                f"the parameter {fqn} of FSDP unit '{self.label}' was replaced after "
+                "FullyShardedDataParallel wrapped the model, by another of the unit's "
+                "parameters or differently in the modules sharing it; FSDP cannot change "
+                "which parameters are shared. Tie or untie parameters before wrapping"
+            )
+        if param.shape != view.shape:
+            raise RuntimeError(
+                "Cannot writeback when the parameter shape changes\n"
+                f"Expects {view.shape} but got {param.shape}: the parameter {fqn} of FSDP unit "
+                f"'{self.label}' was replaced after FullyShardedDataParallel wrapped the model "
+                "(or its .data was). With use_orig_params=True each original parameter holds "
+                "this rank's piece of its shard outside forward, so only a tensor of that shape "
+                "can be written back. Replace, resize or tie parameters before wrapping (or "
+                "load new values through load_state_dict or summon_full_params(writeback=True))"
+            )
+        return param
+
+    def check_orig_params_kept(self) -> None:
+        """At a pre-backward of a unit still unsharded since its forward: its original
+        parameters must not have been replaced since that forward (the step's graph holds
+        views of the unsharded parameters, which a change would silently bypass)."""
+        if not self._use_orig_params:
+            return
+        for index, view in self._orig_param_pieces():
+            param, owners = self._orig_params[index], self._owners[index]
+            replaced = any(module._parameters.get(name) is not param for module, name in owners)
+            moved = view.numel() > 0 and param.data_ptr() != view.data_ptr()
+            if replaced or moved:
+                raise OrigParamChangedError(
+                    "FSDP does not support changing the parameters between forward and "
+                    f"backward for {self.sharding_strategy}: the parameter "
+                    f"{self.param_fqns[index]} of FSDP unit '{self.label}' was "
+                    f"{'replaced' if replaced else 'given new .data'} after its forward; "
+                    "change parameters outside the forward-backward of a step (or in place)"
+                )
+
+    def sync_requires_grad(self) -> None:
+        """At the root's pre-forward: adopt ``requires_grad`` changes made since the last
+        forward (see [Note: requires_grad changed after wrapping])."""
+        for position, segment in enumerate(self._segments):
+            if self._use_orig_params:
+                params = [self._orig_params[index] for index in segment.indices]
+                wanted = any(param.requires_grad for param in params)
+            else:
+                wanted = segment.flat_param.requires_grad
+            if wanted == segment.requires_grad:
+                continue
+            if position > 0:
+                if self._use_orig_params:
+                    fqns = [
+                        self.slot(i).fqn for i, p in zip(segment.indices, params) if p.requires_grad
+                    ]
+                    what = ", ".join(fqns)
+                else:
+                    what = "the frozen flat parameter (_frozen_flat_param)"
+                raise RuntimeError(
+                    f"FSDP unit '{self.label}': {what} now require(s) grad, but were frozen "
+                    "when FullyShardedDataParallel wrapped the unit alongside trainable "
+                    "parameters, so they were flattened apart and get no gradient. Unfreeze "
+                    "them before wrapping, or give them an FSDP unit of their own "
+                    "(auto_wrap_policy)"
+                )
+            segment.set_requires_grad(wanted)
+
+    def sync_orig_grads(self) -> None:
+        """Make the sharded gradient reflect the original parameters' ``.grad`` (after e.g.
+        ``optim.zero_grad()``), before anything re-derives their grads from it."""
+        if self._use_orig_params:
+            self._pull_orig_grads()
+
+    def _pull_orig_grads(self) -> None:
+        """``use_orig_params``: adopt what the user did to the original parameters' grads.
+
+        The optimizer sees the original parameters, so ``zero_grad()`` sets their ``.grad``
+        to None (or zeroes our views in place); a user may also assign new tensors.
+        """
+        flat_grad = self.flat_param.grad
+        if flat_grad is None:
+            return
+        any_kept = False
+        segment = self._segments[0]
+        for index, view in zip(segment.indices, segment.sharded_piece_views(flat_grad)):
+            if not self._orig_params[index].requires_grad or view.numel() == 0:
+                continue
+            grad = self._orig_params[index].grad
+            if grad is None:
+                view.zero_()
+                continue
+            any_kept = True
+            if grad.data_ptr() != view.data_ptr():
+                view.copy_(grad.reshape(view.shape))
+        if not any_kept:
+            self.flat_param.grad = None
+
+    def _use_sharded_grad_views(self) -> None:
+        """``use_orig_params``: each original ``.grad`` views its piece of the sharded grad.
+
+        Parameters with no piece on this rank, or that do not require grad now, have no
+        gradient, as in torch.
+        """
+        grads: dict[int, torch.Tensor] = {}
+        flat_grad = self.flat_param.grad
+        if flat_grad is not None:
+            segment = self._segments[0]
+            for index, view in zip(segment.indices, segment.sharded_piece_views(flat_grad)):
+                trains = self._orig_params[index].requires_grad
+                if trains and (view.numel() > 0 or self.slot(index).numel == 0):
+                    grads[index] = view
+        for index, param in enumerate(self._orig_params):
+            assign_grad(param, grads.get(index))
+
+    def expose_unsharded_params(self) -> None:
+        """Make the full parameters visible as registered ``nn.Parameter`` s (for summon)."""
+        self._assert_state(HandleState.UNSHARDED, "expose_unsharded_params")
+        self.exposes_unsharded_params = True
+        self.sync_orig_grads()  # leaving re-attaches grads from the sharded gradient
+        views = [v.detach() for v in self._unsharded_views()]
+        for index, (param, view, slot_owners) in enumerate(
+            zip(self._orig_params, views, self._owners)
+        ):
+            exposed = param
+            if self._use_orig_params:
+                param.data = view
+            else:  # the flag the user sees on the flat parameter (it may have changed since)
+                flat_param = self.segment_of(index).flat_param
+                exposed = nn.Parameter(view, requires_grad=flat_param.requires_grad)
+            for module, name in slot_owners:
+                _assign_param(module, name, exposed, self._unsafe_setattr)
+
+    def expose_unsharded_grads(self) -> None:
+        """``use_orig_params``: point each original ``.grad`` at its full gradient.
+
+        Collective: every rank all-gathers its sharded gradient (zeros where it has none);
+        if no rank has a gradient, the gradients stay None.
+        """
+        self._assert_state(HandleState.UNSHARDED, "expose_unsharded_grads")
+        assert self._use_orig_params, "summon_full_params(with_grads=True) needs use_orig_params"
+        flat_grad = self.flat_param.grad
+        has_grad = torch.tensor([float(flat_grad is not None)], device=self.device)
+        comm.all_reduce(has_grad, self.groups.shard, self.label, dist.ReduceOp.MAX).wait()
+        if not has_grad.item():
+            return
+        if flat_grad is None:
+            flat_grad = torch.zeros_like(self.flat_param)
+        segment = self._segments[0]  # frozen parameters keep no gradient
+        full_grad = flat_grad.to(self.device)
+        if self.uses_sharded_strategy:
+            full_grad = full_grad.new_empty(segment.layout.padded_numel)
+            source = flat_grad.to(self.device)
+            comm.all_gather_into(full_grad, source, self.groups.shard, self.label).wait()
+        for index, view in zip(segment.indices, segment.views_of_flat(full_grad)):
+            param = self._orig_params[index]
+            assign_grad(param, view if param.requires_grad else None)
+        self._exposes_unsharded_grads = True
+
+    def _write_back_grads(self) -> None:
+        """``summon_full_params(with_grads=True, writeback=True)``: copy this rank's pieces of
+        the full gradients (edited in the summon) into the sharded gradient, as torch's
+        ``_writeback_to_local_shard(handle, writeback_grad=True)``. A rank that had no sharded
+        gradient keeps none (its zeros were only a stand-in for the all-gather), as in torch."""
+        flat_grad = self.flat_param.grad
+        if flat_grad is None:
+            return
+        segment = self._segments[0]
+        views = segment.sharded_piece_views(flat_grad)
+        for index, piece, view in zip(segment.indices, segment.pieces, views):
+            grad = self._orig_params[index].grad
+            if grad is None or piece is None or grad.data_ptr() == view.data_ptr():
+                continue  # no piece here, or NO_SHARD: the full grad is the sharded one
+            source = grad.detach().reshape(-1)[piece.param_start : piece.param_start + piece.numel]
+            with torch.no_grad():
+                view.view(-1).copy_(source)
+
+    def hide_unsharded_params(self, writeback: bool) -> None:
+        """Undo ``expose_unsharded_params``; with ``writeback`` keep edits made to them.
+
+        Where the handle was resharded inside the summon (an internal error, then reported),
+        modules still lose the exposed parameters, so the model stays usable."""
+        self.exposes_unsharded_params = False
+        grads_exposed, self._exposes_unsharded_grads = self._exposes_unsharded_grads, False
+        if self.state != HandleState.UNSHARDED:
+            self._drop_exposed_params()
+            self._assert_state(HandleState.UNSHARDED, "hide_unsharded_params")
+        if writeback:
+            for segment in self._segments:
+                segment.write_back()
+            if grads_exposed:
+                self._write_back_grads()
+        if not self._use_orig_params:
+            for view, slot_owners in zip(self._unsharded_views(), self._owners):
+                for module, name in slot_owners:
+                    _assign_plain(module, name, view.detach(), self._unsafe_setattr)
+        self.reshard()
+        if self._use_orig_params:
+            self._use_sharded_grad_views()
+
+    def _drop_exposed_params(self) -> None:
+        """Sharded already: the original parameters back on their shard pieces, or (flat
+        parameters) no attribute until the next forward sets its views."""
+        if self._use_orig_params:
+            self._use_sharded_params()
+            self._use_sharded_grad_views()
+            return
+        for slot_owners in self._owners:
+            for module, name in slot_owners:
+                _remove_attr(module, name, self._unsafe_setattr)
