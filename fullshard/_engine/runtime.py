@@ -112,6 +112,10 @@ class TrainingState(enum.Enum):
     """Inside `summon_full_params`: the full parameters are exposed to the user."""
 
 
+IN_STEP = (TrainingState.IDLE, TrainingState.FORWARD_BACKWARD)
+"""Where the step's hooks may start: never inside `summon_full_params`."""
+
+
 class HandleTrainingState(enum.Enum):
     """Where in the step a unit's flat parameter is."""
 
@@ -407,6 +411,40 @@ class UnitRuntime:
             raise RuntimeError("fullshard internal error: unit used before lazy initialisation")
         return self.root_state
 
+    def _move_to(
+        self,
+        state: TrainingState,
+        handle_state: HandleTrainingState,
+        start: tuple[TrainingState, ...],
+    ) -> None:
+        """The one place the unit's training state changes: each verb names the states it
+        may start from, so a hook running where it must not (a step inside
+        ``summon_full_params``, a summon inside the step) fails here, not later."""
+        assert self.training_state in start, (
+            f"fullshard internal error: {state.name} from {self.training_state.name} "
+            f"(allowed from {[s.name for s in start]})"
+        )
+        self.training_state = state
+        self.handle_training_state = handle_state
+
+    def begin_summon(self, expose: bool) -> None:
+        """``summon_full_params`` took this unit's full parameters (``expose``: this rank
+        sees them; not the other ranks under ``rank0_only``)."""
+        self._move_to(
+            TrainingState.SUMMON_FULL_PARAMS,
+            HandleTrainingState.SUMMON_FULL_PARAMS,
+            start=(TrainingState.IDLE,),
+        )
+        self.exposes_full_params = expose
+
+    def end_summon(self) -> None:
+        self._move_to(
+            TrainingState.IDLE,
+            HandleTrainingState.IDLE,
+            start=(TrainingState.SUMMON_FULL_PARAMS,),
+        )
+        self.exposes_full_params = False
+
     def in_backward(self) -> bool:
         """Between this unit's pre-backward and the end of backward."""
         return self.handle_training_state in (
@@ -424,8 +462,7 @@ class UnitRuntime:
         self.recomputing = False
         if self.is_root:
             self.root.begin_forward(training)
-        self.training_state = TrainingState.FORWARD_BACKWARD
-        self.handle_training_state = HandleTrainingState.FORWARD
+        self._move_to(TrainingState.FORWARD_BACKWARD, HandleTrainingState.FORWARD, start=IN_STEP)
         self.full_precision = full_precision
         self.forward_started_at = autograd_sequence_nr()
         handle = self.handle
@@ -473,8 +510,11 @@ class UnitRuntime:
             handle.reshard()
         elif handle is not None:
             handle.register_orig_params()
-        self.training_state = TrainingState.IDLE
-        self.handle_training_state = HandleTrainingState.IDLE
+        self._move_to(
+            TrainingState.IDLE,
+            HandleTrainingState.IDLE,
+            start=(TrainingState.FORWARD_BACKWARD,),
+        )
         return output
 
     def _record_forward(self, inputs: Any, outputs: list[torch.Tensor]) -> ForwardRecord:
@@ -543,8 +583,9 @@ class UnitRuntime:
         self._count_installments()
         root = self.root
         root.queue_end_of_backward()
-        self.training_state = TrainingState.FORWARD_BACKWARD
-        self.handle_training_state = HandleTrainingState.BACKWARD_PRE
+        self._move_to(
+            TrainingState.FORWARD_BACKWARD, HandleTrainingState.BACKWARD_PRE, start=IN_STEP
+        )
         handle = self.handle
         if handle is None:
             return
@@ -562,7 +603,9 @@ class UnitRuntime:
         assert handle is not None
         root = self.root
         root.queue_end_of_backward()
-        self.handle_training_state = HandleTrainingState.BACKWARD_POST
+        self._move_to(
+            TrainingState.FORWARD_BACKWARD, HandleTrainingState.BACKWARD_POST, start=IN_STEP
+        )
         if self.sync_gradients:
             handle.reduce_grad()
             root.pending_reductions.append(self)
@@ -589,5 +632,4 @@ class UnitRuntime:
                 record.input_hook.remove()
                 record.input_hook = None
         self.pending_input_grads = set()
-        self.training_state = TrainingState.IDLE
-        self.handle_training_state = HandleTrainingState.IDLE
+        self._move_to(TrainingState.IDLE, HandleTrainingState.IDLE, start=IN_STEP)

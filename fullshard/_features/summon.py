@@ -14,7 +14,7 @@ from torch import nn
 
 from .._engine.flat_param import FlatParamHandle, HandleState
 from .._engine.names import FLAT_PARAM_NAMES, flat_param_owner
-from .._engine.runtime import HandleTrainingState, TrainingState
+from .._engine.runtime import TrainingState
 from .._engine.unit import Unit, units_in
 
 __all__ = ["SummonStateError", "UnsupportedSummonError"]
@@ -95,15 +95,15 @@ def summon(
     handles = [unit.handle for unit in units if unit.handle is not None]
     expose = not rank0_only or dist.get_rank() == 0
     hidden: list[tuple[nn.Module, str, nn.Parameter]] = []
+    entered = False
     try:
         _gather(handles)
         if not expose:  # rank0_only: the other ranks only took part in the all-gathers
             for handle in handles:
                 handle.reshard()
         for unit in units:
-            unit.runtime.training_state = TrainingState.SUMMON_FULL_PARAMS
-            unit.runtime.handle_training_state = HandleTrainingState.SUMMON_FULL_PARAMS
-            unit.runtime.exposes_full_params = expose
+            unit.runtime.begin_summon(expose)
+        entered = True
         if expose:
             for handle in handles:
                 handle.expose_unsharded_params()
@@ -115,7 +115,7 @@ def summon(
     finally:
         for owner, name, flat_param in hidden:
             owner.register_parameter(name, flat_param)
-        _restore(units, handles, writeback and expose)
+        _restore(units if entered else [], handles, writeback and expose)
 
 
 def _deregister_flat_params(
@@ -152,7 +152,8 @@ def _gather(handles: list[FlatParamHandle]) -> None:
 def _restore(units: list[Unit], handles: list[FlatParamHandle], writeback: bool) -> None:
     """Leave every unit as it was before the summon, on every exit path (an error in the
     block, in a gather, or in one handle's restore included): the first error is raised
-    once all units are restored, so a failed summon never leaves the model unusable."""
+    once all units are restored, so a failed summon never leaves the model unusable.
+    ``units``: those whose training state entered the summon (none if a gather failed)."""
     errors: list[BaseException] = []
     for handle in handles:
         try:
@@ -163,8 +164,6 @@ def _restore(units: list[Unit], handles: list[FlatParamHandle], writeback: bool)
         except BaseException as error:  # re-raised below, once every unit is restored
             errors.append(error)
     for unit in units:
-        unit.runtime.exposes_full_params = False
-        unit.runtime.training_state = TrainingState.IDLE
-        unit.runtime.handle_training_state = HandleTrainingState.IDLE
+        unit.runtime.end_summon()
     if errors:
         raise errors[0]
