@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from fullshard._comm.groups import gradient_divide_factors
+from fullshard._engine.autograd_graph import map_tensors
 from fullshard._engine.flat_param import HandleState
 from fullshard._engine.layout import make_layout, make_unit_layout, padded_numel
-from fullshard._engine.runtime import HandleTrainingState, TrainingState, map_tensors
+from fullshard._engine.runtime import HandleTrainingState, TrainingState
 
 
 @pytest.mark.parametrize(

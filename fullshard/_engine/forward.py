@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 
 from . import init
+from .autograd_graph import iter_tensors, map_tensors
 from .compile import eager
 from .flat_param import HandleState
 from .names import clean_fqn
-from .runtime import RootState, TrainingState, iter_tensors, map_tensors
+from .runtime import RootState, TrainingState
 from .settings import check_homogeneous
 from .unit import Unit, unit_of, units_in
 
