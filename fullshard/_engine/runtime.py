@@ -384,11 +384,9 @@ class UnitRuntime:
             handle.reshard()
         elif handle is not None:
             handle.register_orig_params()
-        self._move_to(
-            TrainingState.IDLE,
-            HandleTrainingState.IDLE,
-            start=(TrainingState.FORWARD_BACKWARD,),
-        )
+        # From IDLE too: a unit whose forward runs again inside its own forward (recursion)
+        # is back to IDLE after the inner call.
+        self._move_to(TrainingState.IDLE, HandleTrainingState.IDLE, start=IN_STEP)
         return output
 
     def _record_forward(self, inputs: Any, outputs: list[torch.Tensor]) -> ForwardRecord:
