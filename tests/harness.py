@@ -317,6 +317,7 @@ def _temporary_env(env: dict[str, str] | None) -> Iterator[None]:
     """Set environment variables for the duration of the block, then restore them."""
     saved = {key: os.environ.get(key) for key in env or {}}
     os.environ.update(env or {})
+    _forget_switches()
     try:
         yield
     finally:
@@ -325,6 +326,15 @@ def _temporary_env(env: dict[str, str] | None) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+        _forget_switches()
+
+
+def _forget_switches() -> None:
+    """fullshard reads its environment switches once and keeps them (fullshard/_switches.py):
+    drop them where the environment changes, so that the next test reads its own."""
+    switches = sys.modules.get("fullshard._switches")
+    if switches is not None:
+        switches.forget()
 
 
 def _reset_process_state(cwd: str) -> None:

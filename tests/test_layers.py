@@ -13,9 +13,9 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "fullshard"
 
-BASE = {"fullshard.api"}
-"""Public enums and configuration dataclasses, importing nothing of fullshard: any layer may
-use them."""
+BASE = {"fullshard.api", "fullshard._switches"}
+"""Public enums and configuration dataclasses, and the environment switches, importing nothing
+of fullshard: any layer may use them."""
 COMM = {"fullshard._comm"}
 """The transport: collectives, the shared-memory rings, process groups."""
 ENGINE = {"fullshard._engine"}

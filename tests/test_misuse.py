@@ -929,7 +929,7 @@ _ENV = {
 @pytest.mark.parametrize("case", list(SCALER_AND_ENV))
 def test_scaler_and_environment_misuse(case: str) -> None:
     """The grad scaler's calls out of order; FULLSHARD_COLLECTIVE_TIMEOUT not a positive
-    number of seconds (read at the first collective)."""
+    number of seconds (read as the unit is built)."""
     _run_case("scaler_and_env", case, env=_ENV.get(case))
 
 

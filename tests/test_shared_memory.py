@@ -12,8 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fullshard import _switches as switches
 from fullshard._comm import collectives as comm
 from fullshard._comm import shared_memory as shm
+from fullshard._switches import Switches
 from harness import RankError, run_on_ranks
 
 pytestmark = pytest.mark.skipif(
@@ -203,15 +205,10 @@ def test_fullshard_shm_0_uses_gloo() -> None:
 
 
 def test_cell_size_must_be_sensible() -> None:
-    os.environ["FULLSHARD_SHM_CELL_MIB"] = "lots"
-    try:
-        with pytest.raises(ValueError, match="FULLSHARD_SHM_CELL_MIB='lots' is not a number"):
-            shm._cell_bytes()
-        os.environ["FULLSHARD_SHM_CELL_MIB"] = "0"
-        with pytest.raises(ValueError, match=r"must be in \(0, 1024\]"):
-            shm._cell_bytes()
-    finally:
-        del os.environ["FULLSHARD_SHM_CELL_MIB"]
+    with pytest.raises(ValueError, match="FULLSHARD_SHM_CELL_MIB='lots' is not a number"):
+        Switches.from_environ({"FULLSHARD_SHM_CELL_MIB": "lots"})
+    with pytest.raises(ValueError, match=r"must be in \(0, 1024\]"):
+        Switches.from_environ({"FULLSHARD_SHM_CELL_MIB": "0"})
 
 
 def _staging_after_steps(num_ranks: int) -> tuple[int, int]:
@@ -228,7 +225,7 @@ def _staging_after_steps(num_ranks: int) -> tuple[int, int]:
         model(torch.randn(2, 200)).sum().backward()
     transport = shm._TRANSPORTS[dist.group.WORLD]
     assert transport is not None
-    cell = shm._cell_bytes()
+    cell = switches.current().shm_cell_bytes
     predicted = estimate([200 * 200 + 200] * 3, num_ranks, shared_memory_cell_bytes=cell)
     return transport.resident_bytes(), predicted.staging
 
@@ -254,8 +251,7 @@ def test_the_default_cell_is_the_memory_models() -> None:
     one constant, `fullshard.memory.SHARED_MEMORY_SLOTS`, for both)."""
     from fullshard.memory import SHARED_MEMORY_CELL_BYTES
 
-    assert "FULLSHARD_SHM_CELL_MIB" not in os.environ
-    assert shm._cell_bytes() == SHARED_MEMORY_CELL_BYTES
+    assert Switches.from_environ({}).shm_cell_bytes == SHARED_MEMORY_CELL_BYTES
 
 
 def _three_groups_waiting_in_a_cycle() -> None:

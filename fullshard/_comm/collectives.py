@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
-import os
 import zlib
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterator
@@ -36,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from .. import _switches as switches
 from . import shared_memory as _shm
 
 __all__: list[str] = []
@@ -101,22 +100,8 @@ _NAMES = {
 
 def collective_timeout() -> timedelta | None:
     """``FULLSHARD_COLLECTIVE_TIMEOUT`` (seconds) as a bound on each wait, or None for the
-    process group's own timeout."""
-    value = os.environ.get("FULLSHARD_COLLECTIVE_TIMEOUT")
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(
-            f"FULLSHARD_COLLECTIVE_TIMEOUT={value!r} is not a number of seconds"
-        ) from None
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(
-            f"FULLSHARD_COLLECTIVE_TIMEOUT must be a positive, finite number of seconds, got "
-            f"{value}; unset it to use the process group's timeout"
-        )
-    return timedelta(seconds=seconds)
+    process group's own timeout (read as fullshard's switches are: see _switches.py)."""
+    return switches.current().collective_timeout
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -138,10 +123,7 @@ _KINDS = ["all_gather", "reduce_scatter", "all_reduce", "gather"]
 
 
 def debug_checks_enabled() -> bool:
-    return (
-        os.environ.get("FULLSHARD_DEBUG", "0") not in ("", "0")
-        or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
-    )
+    return switches.current().debug_checks
 
 
 def _check_agreement(kind: str, label: str, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -463,7 +445,7 @@ def _next_tag(group: dist.ProcessGroup) -> int:
 
 def _uses_ring(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
     return (
-        os.environ.get("FULLSHARD_GLOO_RINGS", "1") != "0"
+        switches.current().gloo_rings
         and tensor.device.type == "cpu"
         and dist.get_world_size(group) > 1
         and dist.get_backend(group) == dist.Backend.GLOO

@@ -74,7 +74,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .constants import SHARED_MEMORY_CELL_BYTES, SHARED_MEMORY_SLOTS
+from .. import _switches as switches
+from .constants import SHARED_MEMORY_SLOTS
 from .pieces import AllGather, Op, ReduceScatter
 
 __all__: list[str] = []
@@ -114,17 +115,6 @@ _EARLIER_FAILURE = (
 
 class TransportMismatchError(RuntimeError):
     """Ranks paired different collectives on the transport."""
-
-
-def _cell_bytes() -> int:
-    value = os.environ.get("FULLSHARD_SHM_CELL_MIB", str(SHARED_MEMORY_CELL_BYTES / 2**20))
-    try:
-        mib = float(value)
-    except ValueError:
-        raise ValueError(f"FULLSHARD_SHM_CELL_MIB={value!r} is not a number of MiB") from None
-    if not 0 < mib <= 1024:
-        raise ValueError(f"FULLSHARD_SHM_CELL_MIB must be in (0, 1024], got {value}")
-    return max(_PAGE, int(mib * 2**20) // _PAGE * _PAGE)
 
 
 def _group_timeout(group: dist.ProcessGroup) -> float:
@@ -381,7 +371,7 @@ def transport_for(group: dist.ProcessGroup, tensor: torch.Tensor, guard: Guard) 
     CUDA tensors, with FULLSHARD_SHM=0, off x86-64, for NCCL groups, and where the ranks
     cannot share a file (other hosts, no /dev/shm). Set up at the group's first eligible
     collective, which every rank reaches at the same point, its exchanges under ``guard``."""
-    if tensor.device.type != "cpu" or os.environ.get("FULLSHARD_SHM", "1") == "0":
+    if tensor.device.type != "cpu" or not switches.current().shared_memory:
         return None
     try:
         return _TRANSPORTS[group]
@@ -432,7 +422,7 @@ def _set_up(group: dist.ProcessGroup, named: Guard) -> Transport | None:
     cannot leave it behind); where any rank cannot take part, every rank gets None."""
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
     global_ranks = dist.get_process_group_ranks(group)
-    cell_bytes = _cell_bytes()  # every rank checks its setting; rank 0's is used
+    cell_bytes = switches.current().shm_cell_bytes  # each rank's, checked; rank 0's is used
     ready = torch.tensor([1 if _ORDERED_STORES else 0])
     with named(_SETUP, group):
         dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=group)

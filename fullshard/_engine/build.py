@@ -87,6 +87,7 @@ def _make_handle(
         label=type(unit.module).__name__,
         mixed_precision=unit.mixed_precision,
         offload_params=settings.offload_params,
+        unsafe_setattr=settings.switches.use_unsafe_setattr,
     )
     if not settings.use_orig_params:
         owner = flat_param_owner(unit.module)

@@ -19,7 +19,6 @@ and [Note: mixed precision] for the dtypes.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -37,7 +36,8 @@ from .orig_params import OrigParamViews
 __all__ = ["FlatParamHandle", "FlatParameter", "HandleState"]
 
 _FSDP_USE_UNSAFE_SETATTR = "FSDP_USE_UNSAFE_SETATTR"
-"""When "1", module attributes are swapped without calling the module's ``__setattr__``."""
+"""torch's name for the variable (its tests import it from here); read into
+`fullshard._switches.Switches.use_unsafe_setattr` as the unit is built."""
 
 # [Note: a separate unsharded leaf]
 # torch FSDP1 swaps `flat_param.data` between the shard and the unsharded buffer, so one
@@ -100,6 +100,7 @@ class FlatParamHandle(OrigParamViews, GradReduction):
         label: str,
         mixed_precision: MixedPrecision | None = None,
         offload_params: bool = False,
+        unsafe_setattr: bool = False,
     ) -> None:
         if not params:
             raise ValueError("a FlatParamHandle needs at least one parameter")
@@ -109,7 +110,7 @@ class FlatParamHandle(OrigParamViews, GradReduction):
         self.sharding_strategy = strategy
         self.uses_sharded_strategy = strategy != ShardingStrategy.NO_SHARD
         self._use_orig_params = use_orig_params
-        self._unsafe_setattr = os.environ.get(_FSDP_USE_UNSAFE_SETATTR, "") == "1"
+        self._unsafe_setattr = unsafe_setattr
         self.device = device
         self._offload_params = offload_params
         self._mixed_precision = mixed_precision

@@ -50,6 +50,7 @@ def lazy_init(root: Unit) -> None:
         [unit.runtime for _, unit in units],
         root.settings.backward_prefetch,
         root.settings.forward_prefetch,
+        root.settings.switches.reductions_in_flight,
     )
     for _, unit in units:
         unit.runtime.root_state = root_state

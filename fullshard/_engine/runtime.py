@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import os
 import threading
 import weakref
 from typing import Any
@@ -58,7 +57,9 @@ RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SH
 # model's worth). Each post-backward therefore finalises all but the newest
 # `reductions_in_flight` reductions (below): with one, a unit's reduce-scatter overlaps the
 # next unit's gradient computation, and one unsharded gradient outlives its unit's hook.
-def reductions_in_flight(backward_prefetch: BackwardPrefetch | None) -> int:
+def reductions_in_flight(
+    backward_prefetch: BackwardPrefetch | None, override: int | None = None
+) -> int:
     """How many reductions may stay in flight after a unit's post-backward.
 
     Backward keeps at most three unit-sized buffers alive besides activations: the unit's
@@ -66,10 +67,10 @@ def reductions_in_flight(backward_prefetch: BackwardPrefetch | None) -> int:
     parameters (BACKWARD_PRE: the all-gather overlaps this unit's gradient computation, and
     each reduction completes in its own post-backward) or the previous unit's gradient still
     being reduced (BACKWARD_POST and None: the reduction overlaps the next unit's gradient
-    computation). FULLSHARD_REDUCTIONS_IN_FLIGHT overrides it (memory for overlap)."""
-    override = os.environ.get("FULLSHARD_REDUCTIONS_IN_FLIGHT")
+    computation). ``override`` (FULLSHARD_REDUCTIONS_IN_FLIGHT) replaces it (memory for
+    overlap)."""
     if override is not None:
-        return int(override)
+        return override
     return 0 if backward_prefetch == BackwardPrefetch.BACKWARD_PRE else 1
 
 
@@ -145,11 +146,12 @@ class RootState:
         units: list[UnitRuntime],
         backward_prefetch: BackwardPrefetch | None,
         forward_prefetch: bool = False,
+        reductions_override: int | None = None,
     ):
         self.units = units
         self.backward_prefetch = backward_prefetch
         self.forward_prefetch = forward_prefetch
-        self.reductions_in_flight = reductions_in_flight(backward_prefetch)
+        self.reductions_in_flight = reductions_in_flight(backward_prefetch, reductions_override)
         self.forward_order: list[UnitRuntime] = []
         """Units with parameters, in the order their forward first ran this step."""
         self.exec_order = ExecOrderValidator([unit.handle for unit in units])

@@ -7,7 +7,6 @@ the FSDP1 front door exposes the result under torch's attribute names (``shardin
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +16,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .. import _switches
 from .._comm.groups import ShardingGroups, effective_strategy, resolve_groups
+from .._switches import Switches
 from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from . import init
 
@@ -28,8 +29,6 @@ HOMOGENEOUS_ATTR_NAMES = ["_use_orig_params", "limit_all_gathers", "_use_full_pr
 _HOMOGENEOUS_FIELDS = dict(
     zip(HOMOGENEOUS_ATTR_NAMES, ["use_orig_params", "limit_all_gathers", "use_full_prec_in_eval"])
 )
-
-_USE_FULL_PREC_IN_EVAL = "FSDP_USE_FULL_PREC_IN_EVAL"
 
 
 @dataclass(frozen=True)
@@ -51,9 +50,15 @@ class Settings:
     ignored_params: tuple[nn.Parameter, ...]
     param_init_fn: Callable[[nn.Module], None] | None
     sync_module_states: bool
-    use_full_prec_in_eval: bool
-    """``FSDP_USE_FULL_PREC_IN_EVAL=1``, read before anything that may communicate (ranks
-    that are threads of one process share the environment, and one may set it meanwhile)."""
+    switches: Switches
+    """The environment switches, read as the unit is built, before anything that may
+    communicate (ranks that are threads of one process share the environment, and one may set
+    it meanwhile)."""
+
+    @property
+    def use_full_prec_in_eval(self) -> bool:
+        """``FSDP_USE_FULL_PREC_IN_EVAL=1``."""
+        return self.switches.use_full_prec_in_eval
 
 
 def resolve_mixed_precision(mixed_precision: Any) -> MixedPrecision | None:
@@ -119,7 +124,7 @@ def resolve_settings(kwargs: dict[str, Any]) -> Settings:
             f"unknown FullyShardedDataParallel options {sorted(unknown)} (from a wrap policy's "
             f"overrides?); valid options are {sorted(_CONSTRUCTOR_OPTIONS)}"
         )
-    use_full_prec_in_eval = os.environ.get(_USE_FULL_PREC_IN_EVAL, "") == "1"
+    switches = _switches.reload()
     strategy = kwargs.get("sharding_strategy") or ShardingStrategy.FULL_SHARD
     if not isinstance(strategy, ShardingStrategy):
         raise TypeError(f"sharding_strategy must be a fullshard.ShardingStrategy, got {strategy!r}")
@@ -160,7 +165,7 @@ def resolve_settings(kwargs: dict[str, Any]) -> Settings:
         ignored_params=ignored_params,
         param_init_fn=param_init_fn,
         sync_module_states=bool(kwargs.get("sync_module_states", False)),
-        use_full_prec_in_eval=use_full_prec_in_eval,
+        switches=switches,
     )
 
 
