@@ -1,4 +1,19 @@
-"""Pytest hooks the test suite shares; keep this file small."""
+"""Pytest hooks the test suite shares; keep this file small.
+
+The folders mirror the package's layers (docs/architecture.md):
+
+- ``unit/``: no process group (layout math, the memory model, wrap targets, the layer rules);
+- ``comm/``: the transport (collectives, shared memory, mismatch detection, faults);
+- ``engine/``: one training step on gloo ranks (parity with DDP, the schedule, precision,
+  frozen parameters, construction, switches, misuse, CUDA);
+- ``features/``: state dicts, optimizer state dicts, checkpoints, summon and generation;
+- ``interop/``: torch's own tools on fullshard models (activation checkpointing, compile,
+  behaviours torch's FSDP1 tests assert);
+- ``seeds/``: the ports of ../shared/seeds (torch's FSDP test files);
+- ``cli/``: the ``fullshard`` command, run as users run it;
+- ``support/``: the multi-rank harness, shared models (`models.py`: models, strategy lists),
+  the DDP parity routine, and the harness's own tests.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +22,15 @@ from pathlib import Path
 
 import pytest
 
-# Test modules and helpers import each other by plain name (``from harness import ...``),
-# whatever pytest's import mode; the harness workers add the same folder to sys.path.
-_TESTS_DIR = str(Path(__file__).resolve().parent)
-if _TESTS_DIR not in sys.path:
-    sys.path.insert(0, _TESTS_DIR)
+_SUPPORT = str(Path(__file__).resolve().parent / "support")
+if _SUPPORT not in sys.path:
+    sys.path.insert(0, _SUPPORT)
 
 import harness  # noqa: E402 (needs the path above)
+
+for _path in harness.TEST_PATHS:
+    if _path not in sys.path:
+        sys.path.append(_path)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -1,6 +1,6 @@
 """The ``fullshard`` command: ``train``, ``plan`` and ``bench``.
 
-The command-line layer: it may import the engine, never the reverse (tests/test_layers.py).
+The command-line layer: it may import the engine, never the reverse (tests/unit/test_layers.py).
 
 - `fullshard.cli.launch`: ``fullshard train`` in the calling process: validates the options,
   then starts the ranks through torch's elastic launcher.

@@ -282,7 +282,7 @@ def _stores_on_loopback() -> Iterator[None]:
 # launcher ("Address already in use") while the first waited for it until the join
 # timeout. `_loopback_listener` raises `DistNetworkError` (a RuntimeError), the type
 # TCPStore itself raises for a port in use, and the retry connects the second launcher.
-# tests/test_cli.py::test_two_launchers_on_loopback_train_as_two_nodes.
+# tests/cli/test_cli.py::test_two_launchers_on_loopback_train_as_two_nodes.
 
 
 def _launch(launch: list[str], out: Path) -> int:

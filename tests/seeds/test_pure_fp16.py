@@ -56,7 +56,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from subtests import zero_model
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -66,6 +65,7 @@ from fullshard._engine.runtime import RESHARD_AFTER_FORWARD, TrainingState
 from fullshard._engine.unit import handles_in as _get_fsdp_handles
 from harness import run_on_ranks
 from models import NestedWrappedModule, nested_wrap
+from subtests import zero_model
 
 WORLD_SIZE = 2
 CPU = torch.device("cpu")

@@ -60,6 +60,7 @@ if TYPE_CHECKING:
 __all__ = [
     "REPO_ROOT",
     "TESTS_DIR",
+    "TEST_PATHS",
     "RankError",
     "RankTimeoutError",
     "pool_pids",
@@ -68,8 +69,13 @@ __all__ = [
     "shutdown_pool",
 ]
 
-TESTS_DIR = Path(__file__).resolve().parent
+TESTS_DIR = Path(__file__).resolve().parent.parent
 REPO_ROOT = TESTS_DIR.parent
+TEST_GROUPS = ("support", "unit", "comm", "engine", "features", "interop", "seeds", "cli")
+"""The folders of tests/, one per layer (tests/conftest.py says what each holds). Test modules
+and helpers import each other by plain name (``from harness import ...``), so each folder is
+on sys.path, here and in the workers (which unpickle test functions by module name)."""
+TEST_PATHS = [str(TESTS_DIR / group) for group in TEST_GROUPS]
 
 PG_TIMEOUT_S = float(os.environ.get("FULLSHARD_TEST_PG_TIMEOUT", "60"))
 """Timeout of the workers' default process group: a collective stuck longer raises."""
@@ -123,7 +129,7 @@ class _Reply:
 def _worker_main(rank: int, world_size: int, conn: Connection, workdir: str) -> None:
     """Entry point of a spawned worker: set up, then serve calls until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
-    for path in (str(REPO_ROOT), str(TESTS_DIR)):
+    for path in (str(REPO_ROOT), *TEST_PATHS):
         if path not in sys.path:
             sys.path.insert(0, path)
     _redirect_output(Path(workdir) / f"rank{rank}.out")

@@ -1,6 +1,6 @@
 """Fault injection: a rank dies (or stops) in forward, in backward's reduce-scatter, or in a
 checkpoint save; the survivor must end with a clear `CollectiveError` naming what it was
-doing, within the bound, not hang. Each rank is its own process (tests/fault_worker.py)."""
+doing, within the bound, not hang. Each rank is its own process (tests/support/fault_worker.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "tests" / "fault_worker.py"
+REPO = Path(__file__).resolve().parents[2]
+WORKER = REPO / "tests" / "support" / "fault_worker.py"
 
 
 def _free_port() -> int:

@@ -16,7 +16,7 @@ import pytest
 
 from fullshard.cli.plan import PRESETS, make_plan, shape_from_hf_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FULLSHARD = [sys.executable, "-m", "fullshard"]
 # A tiny model and short runs: every launch costs a few seconds of start-up.
 TINY = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--sample-bytes", "16"]
@@ -422,7 +422,7 @@ def test_rank_killed_in_forward_backward_or_save_restarts_and_resumes_exactly(
     fault: str, tmp_path: Path, uninterrupted_losses: list[float]
 ) -> None:
     """Rank 1 dies in step 6's forward (an all-gather), in step 6's backward (a
-    reduce-scatter), or while writing the step-8 checkpoint (tests/faults_site): rank 0 fails
+    reduce-scatter), or while writing the step-8 checkpoint (tests/support/faults_site): rank 0 fails
     with fullshard's error naming the operation, the launcher restarts both, they resume
     from step 4's checkpoint (the step-8 one never completed), and the 24 losses equal an
     uninterrupted run's: no step lost or repeated."""
@@ -430,7 +430,7 @@ def test_rank_killed_in_forward_backward_or_save_restarts_and_resumes_exactly(
     env = dict(
         os.environ,
         FULLSHARD_TEST_FAULT=fault,
-        PYTHONPATH=os.pathsep.join([str(REPO / "tests" / "faults_site"), str(REPO)]),
+        PYTHONPATH=os.pathsep.join([str(REPO / "tests" / "support" / "faults_site"), str(REPO)]),
     )
     result = _run(["train", *TINY, *STEPS, "--max-restarts", "1", "--out", str(out)], env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -11,7 +11,7 @@ import pytest
 
 from harness import requires_cuda_gpus
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @requires_cuda_gpus(2)

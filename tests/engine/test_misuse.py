@@ -1115,7 +1115,7 @@ def test_checkpoint_save_with_an_extra_that_is_not_json(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------
-# 6. The fullshard command (tests/test_cli.py has more: docs/misuse.md lists them)
+# 6. The fullshard command (tests/cli/test_cli.py has more: docs/misuse.md lists them)
 
 _TINY_TRAIN = ["train", "--preset", "tiny", "--batch-size", "4", "--seq-len", "32"]
 

@@ -18,14 +18,14 @@ Deviations from the seed, and why:
   seed has it (fp16 forward and backward work on the CPU in this torch). There is no CUDA
   variant: the harness only builds gloo groups with no per-rank device, so the CPU port
   covers the device-independent logic (norm assembly over shard groups, NO_SHARD units,
-  offloaded and low-precision gradients); ``tests/test_cuda.py`` covers NCCL.
+  offloaded and low-precision gradients); ``tests/engine/test_cuda.py`` covers NCCL.
 - ``test_ddp_parity`` is split into three pytest tests, one per ``sharding_strategy``
   (24 subtests each), so a failure points at one strategy and each call stays short; together
   they run the seed's 72 combinations.
 - Inputs: common_fsdp's ``get_input`` reseeds the global RNG with the rank, so every step of
   the seed's extra iterations sees the same batch; ours come from ``get_input(device, rank,
   step)`` (the same batch for DDP and FSDP in a step, differing by rank as in the seed, and by
-  step). The models are our ``tests/models.py`` versions of common_fsdp's, built from seed 0
+  step). The models are our ``tests/support/models.py`` versions of common_fsdp's, built from seed 0
   (common_fsdp's ``deterministic=True``), with common_fsdp's RECURSIVE wrapping done by hand.
 - ``assertWarnsRegex`` / ``assertRaisesRegex`` are ``pytest.warns`` / ``pytest.raises`` with
   the same regexes; ``self.assertEqual(param.grad, orig_grad)`` for a ``None`` gradient is
@@ -40,7 +40,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from subtests import run_subtests
 from torch import nn
 from torch.nn import TransformerDecoderLayer, TransformerEncoderLayer
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -50,6 +49,7 @@ from fullshard import FullyShardedDataParallel as FSDP
 from fullshard.wrap import ModuleWrapPolicy
 from harness import run_on_ranks
 from models import NestedWrappedModule, TransformerWithSharedParams, nested_wrap
+from subtests import run_subtests
 
 WORLD_SIZE = 2
 DEVICE = "cpu"

@@ -23,7 +23,7 @@ from fullshard import FullyShardedDataParallel as FSDP
 from fullshard.flat_param import FlatParameter
 from fullshard.wrap import ModuleWrapPolicy, enable_wrap, wrap
 from harness import run_on_ranks
-from models import DummyProcessGroup
+from models import STRATEGIES, DummyProcessGroup
 
 
 def _nested(**kwargs: Any) -> FSDP:
@@ -353,12 +353,6 @@ def test_summon_under_a_plain_root_lists_each_parameter_once(use_orig_params: bo
 
 
 # -- use_orig_params: original parameters changed by the user after wrapping -----------------
-
-STRATEGIES = [
-    ShardingStrategy.FULL_SHARD,
-    ShardingStrategy.SHARD_GRAD_OP,
-    ShardingStrategy.NO_SHARD,
-]
 
 
 def _two_linears() -> nn.Sequential:

@@ -1,6 +1,6 @@
 """fullshard's collectives on gloo: the point-to-point rings (see [Note: rings on gloo]) give
 what gloo's own all-gather and reduce-scatter give, at every world size. (The rings carry
-what the shared-memory transport does not: FULLSHARD_SHM=0 here; tests/test_shared_memory.py
+what the shared-memory transport does not: FULLSHARD_SHM=0 here; tests/comm/test_shared_memory.py
 tests that transport.)"""
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from fullshard.wrap import ModuleWrapPolicy, always_wrap_policy
 from harness import REPO_ROOT, run_on_ranks
 from models import (
     MLP,
+    STRATEGIES,
     NestedWrappedModule,
     NonUniformReqGradNWM,
     ParityModel,
@@ -40,11 +41,6 @@ from models import (
 )
 from parity import check_ddp_parity
 
-STRATEGIES = [
-    ShardingStrategy.FULL_SHARD,
-    ShardingStrategy.SHARD_GRAD_OP,
-    ShardingStrategy.NO_SHARD,
-]
 SHARDED_STRATEGIES = STRATEGIES[:2]
 
 each_strategy = pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
@@ -619,7 +615,7 @@ def _check_frozen_params(strategy: ShardingStrategy, wrapping: str, use_orig_par
         if not param.requires_grad:
             assert param.grad is None, f"rank {rank}: frozen parameter {fqn} got a gradient"
         elif not use_orig_params:
-            continue  # the flat parameter holds the gradient (see tests/test_frozen.py)
+            continue  # the flat parameter holds the gradient (see tests/engine/test_frozen.py)
         elif param.numel() > 0:
             assert param.grad is not None and param.grad.shape == param.shape, (
                 f"rank {rank}: trainable {fqn} has grad {param.grad!r}"

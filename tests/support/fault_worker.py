@@ -1,6 +1,6 @@
-"""One rank of a fault-injection scenario (run by tests/test_faults.py, one process per rank).
+"""One rank of a fault-injection scenario (run by tests/comm/test_faults.py, one process per rank).
 
-    RANK=0 WORLD_SIZE=2 MASTER_PORT=... python tests/fault_worker.py SCENARIO
+    RANK=0 WORLD_SIZE=2 MASTER_PORT=... python tests/support/fault_worker.py SCENARIO
 
 Trains a 4-block MLP under fullshard; rank 1 misbehaves as SCENARIO says at step 2:
 ``forward`` (dies in blocks.1's forward), ``backward`` (dies instead of issuing its second
@@ -24,17 +24,9 @@ import fullshard.checkpoint as ckpt
 from fullshard import FullyShardedDataParallel as FSDP
 from fullshard._comm import collectives as comm
 from fullshard.wrap import ModuleWrapPolicy
+from models import LinearBlock
 
 FAULT_STEP = 2
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(32, 32)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.linear(x))
 
 
 def _fault(workdir: Path) -> None:
@@ -47,7 +39,8 @@ def main(scenario: str, workdir: Path) -> None:
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = FSDP(
-        nn.Sequential(*[Block() for _ in range(4)]), auto_wrap_policy=ModuleWrapPolicy({Block})
+        nn.Sequential(*[LinearBlock(32) for _ in range(4)]),
+        auto_wrap_policy=ModuleWrapPolicy({LinearBlock}),
     )
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     step = 0

@@ -28,9 +28,15 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from fullshard import ShardingStrategy
+
 __all__ = [
+    "HYBRID_STRATEGY_NAMES",
     "MLP",
+    "STRATEGIES",
+    "STRATEGY_NAMES",
     "DummyProcessGroup",
+    "LinearBlock",
     "LoRABlock",
     "LoRAStack",
     "NestedWrappedModule",
@@ -42,6 +48,26 @@ __all__ = [
     "tiny_llama",
     "transformer_layer_classes",
 ]
+
+STRATEGIES = [
+    ShardingStrategy.FULL_SHARD,
+    ShardingStrategy.SHARD_GRAD_OP,
+    ShardingStrategy.NO_SHARD,
+]
+"""The strategies over one process group (the hybrid ones need a second: HYBRID_STRATEGY_NAMES)."""
+STRATEGY_NAMES = [strategy.name for strategy in STRATEGIES]
+HYBRID_STRATEGY_NAMES = ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
+
+
+class LinearBlock(nn.Module):
+    """``relu(lin(x))``, dim -> dim: the block of the schedule and fault tests' stacks."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.relu(self.lin(x))
 
 
 def input_generator(rank: int, step: int) -> torch.Generator:

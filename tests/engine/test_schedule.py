@@ -16,17 +16,10 @@ from fullshard import ShardingStrategy
 from fullshard._comm.collectives import COUNTERS
 from fullshard.wrap import ModuleWrapPolicy
 from harness import run_on_ranks
+from models import STRATEGY_NAMES, LinearBlock
 
-STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.lin(x))
+STRATEGIES = STRATEGY_NAMES
+Block = LinearBlock
 
 
 class Stack(nn.Module):

@@ -29,10 +29,10 @@ from fullshard._comm.collectives import COUNTERS
 from fullshard._engine.unit import handles_in as _get_fsdp_handles
 from fullshard.wrap import ModuleWrapPolicy
 from harness import run_on_ranks
-from models import NestedWrappedModule, nested_wrap
+from models import HYBRID_STRATEGY_NAMES, STRATEGY_NAMES, NestedWrappedModule, nested_wrap
 from parity import check_ddp_parity
 
-STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
+STRATEGIES = STRATEGY_NAMES + HYBRID_STRATEGY_NAMES
 BF16 = torch.bfloat16
 BF16_TOL = {"rtol": 1.6e-2, "atol": 1e-5}  # torch.testing's defaults for bfloat16
 

@@ -34,9 +34,9 @@ from fullshard import FullyShardedDataParallel as FSDP
 from fullshard import ShardingStrategy
 from fullshard.wrap import ModuleWrapPolicy
 from harness import run_on_ranks
-from models import tiny_llama
+from models import STRATEGY_NAMES, tiny_llama
 
-STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
+STRATEGIES = [*STRATEGY_NAMES, "HYBRID_SHARD"]
 TOLERANCE = 1e-5
 PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_offload_wrapped_module.")
 

@@ -1,5 +1,5 @@
 """Seed 003 (torch's ``test_fsdp_misc.py``): devices, ``device_id``, and the optimizer in
-backward. The rest of seed 003 is ported in ``tests/test_misc.py``.
+backward. The rest of seed 003 is ported in ``tests/seeds/test_misc.py``.
 
 Every seed method here needs CUDA (most of them 2 GPUs) to mean what it says, so each is
 ported as it is, under ``requires_cuda_gpus`` (skipped with the reason elsewhere):
@@ -40,7 +40,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from subtests import run_subtests
 from test_misc import MyModel  # the seed's module-level model
 from torch import nn
 from torch.distributed.optim import _apply_optimizer_in_backward
@@ -57,6 +56,7 @@ from fullshard._engine.unit import handles_in as _get_fsdp_handles
 from fullshard.wrap import ModuleWrapPolicy, always_wrap_policy, transformer_auto_wrap_policy
 from harness import requires_cuda_gpus, run_on_ranks
 from models import MLP, NestedWrappedModule, TransformerWithSharedParams, nested_wrap
+from subtests import run_subtests
 
 CPU = torch.device("cpu")
 META = torch.device("meta")

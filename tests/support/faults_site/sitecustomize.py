@@ -1,4 +1,4 @@
-"""Fault injection for `fullshard train`'s ranks (tests/test_cli.py puts this folder on
+"""Fault injection for `fullshard train`'s ranks (tests/cli/test_cli.py puts this folder on
 PYTHONPATH, so Python imports it at start-up in every rank).
 
 FULLSHARD_TEST_FAULT=forward|backward|save: in the first attempt only

@@ -36,13 +36,8 @@ from fullshard import (
 from fullshard import FullyShardedDataParallel as FSDP
 from fullshard.wrap import ModuleWrapPolicy
 from harness import run_on_ranks
-from models import TransformerWithSharedParams, transformer_layer_classes
+from models import STRATEGIES, TransformerWithSharedParams, transformer_layer_classes
 
-STRATEGIES = [
-    ShardingStrategy.FULL_SHARD,
-    ShardingStrategy.SHARD_GRAD_OP,
-    ShardingStrategy.NO_SHARD,
-]
 TYPES = [
     StateDictType.FULL_STATE_DICT,
     StateDictType.SHARDED_STATE_DICT,

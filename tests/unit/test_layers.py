@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "fullshard"
+PACKAGE = Path(__file__).resolve().parents[2] / "fullshard"
 
 BASE = {"fullshard.api", "fullshard._switches"}
 """Public enums and configuration dataclasses, and the environment switches, importing nothing

@@ -5,7 +5,7 @@ use_orig_params, wrap policy, mixed precision, CPU offload); each example trains
 on 2 gloo ranks beside DDP.
 
 CI runs FULLSHARD_FUZZ_EXAMPLES (default 40) examples; set it higher for a long run, e.g.
-``FULLSHARD_FUZZ_EXAMPLES=500 pytest tests/test_fuzz.py``. On failure hypothesis prints the
+``FULLSHARD_FUZZ_EXAMPLES=500 pytest tests/engine/test_fuzz.py``. On failure hypothesis prints the
 example (the drawn ``seed`` included) and the ``@reproduce_failure`` line that replays it.
 """
 

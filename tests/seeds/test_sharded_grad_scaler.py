@@ -42,7 +42,7 @@ Deviations from the seed, and why:
   default ``init_scale=2**16`` overflows the fp16 gradients on both sides at both
   iterations, so both skip their steps and back off twice; the ``use_orig_params`` configs
   (``init_scale=2**11``) step. Real skips on one rank only are checked by the tests below.
-- Models and inputs: our ``tests/models.py`` versions of common_fsdp's, built from seed 0,
+- Models and inputs: our ``tests/support/models.py`` versions of common_fsdp's, built from seed 0,
   RECURSIVE wrapping done by hand (``nested_wrap``); inputs from ``get_input(device, rank,
   step)`` (common_fsdp reseeds per call, so its every step sees the same batch).
 - ``test_sharded_grad_scaler_found_inf`` compares ``scaled_losses[0]`` with
@@ -76,7 +76,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from subtests import run_subtests, zero_model
 from torch import Tensor, nn
 from torch.nn import TransformerDecoderLayer, TransformerEncoderLayer
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -94,6 +93,7 @@ from models import (
     TransformerWithSharedParams,
     nested_wrap,
 )
+from subtests import run_subtests, zero_model
 
 WORLD_SIZE = 2
 CPU = torch.device("cpu")

@@ -22,7 +22,7 @@ subtests:
 - ``test_no_params``: FSDP around a module without parameters.
 - ``test_fsdp_unsupported_module_cls``: ModuleList/ModuleDict roots warn.
 
-Ported in ``tests/test_misc_devices.py`` (with CPU versions of their logic): the CUDA-only
+Ported in ``tests/seeds/test_misc_devices.py`` (with CPU versions of their logic): the CUDA-only
 and ``device_id`` tests ``test_fsdp_device_id``, ``test_fsdp_cpu_init_stays_on_cpu``,
 ``test_cpu_init_with_sync_module_states``, ``test_device_id_auto_wrap``,
 ``test_fsdp_device_id_cpu_offload``, ``test_module_device_mismatches_device_id``,
@@ -78,7 +78,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from subtests import run_subtests
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -89,6 +88,7 @@ from fullshard.fully_sharded_data_parallel import HOMOGENEOUS_ATTR_NAMES
 from fullshard.wrap import always_wrap_policy
 from harness import run_on_ranks
 from models import MLP, NestedWrappedModule
+from subtests import run_subtests
 
 WORLD_SIZE = 2
 CPU = torch.device("cpu")

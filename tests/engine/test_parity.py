@@ -15,6 +15,8 @@ from fullshard import ShardingStrategy
 from fullshard.wrap import ModuleWrapPolicy, always_wrap_policy
 from harness import run_on_ranks
 from models import (
+    HYBRID_STRATEGY_NAMES,
+    STRATEGY_NAMES,
     NestedWrappedModule,
     TransformerWithSharedParams,
     nested_wrap,
@@ -27,8 +29,8 @@ MODELS: dict[str, type[nn.Module]] = {
     "transformer": TransformerWithSharedParams,
 }
 NESTINGS = ["none", "by_hand", "module_wrap_policy", "always_wrap"]
-FLAT_STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
-HYBRID_STRATEGIES = ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
+FLAT_STRATEGIES = STRATEGY_NAMES
+HYBRID_STRATEGIES = HYBRID_STRATEGY_NAMES
 # The attention key bias has an exactly-zero true gradient; what autograd returns for it is
 # rounding noise (~1e-9) whose sum depends on the reduction order (DDP's all-reduce vs our
 # reduce-scatter). Adam with eps=1e-8 would divide that noise by itself and amplify it to
