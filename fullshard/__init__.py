@@ -16,14 +16,23 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from . import wrap
     from ._comm.collectives import CollectiveError, CollectiveMismatchError
+    from ._fully_shard import (
+        FSDPModule,
+        UnshardHandle,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
     from .api import (
         BackwardPrefetch,
         CPUOffload,
+        CPUOffloadPolicy,
         FullOptimStateDictConfig,
         FullStateDictConfig,
         LocalOptimStateDictConfig,
         LocalStateDictConfig,
         MixedPrecision,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
         OptimStateDictConfig,
         ShardedOptimStateDictConfig,
         ShardedStateDictConfig,
@@ -41,6 +50,13 @@ _HOMES = {
     "CollectiveError": "_comm.collectives",
     "CollectiveMismatchError": "_comm.collectives",
     "CPUOffload": "api",
+    "CPUOffloadPolicy": "api",
+    "FSDPModule": "_fully_shard",
+    "MixedPrecisionPolicy": "api",
+    "OffloadPolicy": "api",
+    "UnshardHandle": "_fully_shard",
+    "fully_shard": "_fully_shard",
+    "register_fsdp_forward_method": "_fully_shard",
     "FullOptimStateDictConfig": "api",
     "FullStateDictConfig": "api",
     "LocalOptimStateDictConfig": "api",
@@ -63,8 +79,10 @@ _HOMES = {
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
+    "CPUOffloadPolicy",
     "CollectiveError",
     "CollectiveMismatchError",
+    "FSDPModule",
     "FlatParameter",
     "FullOptimStateDictConfig",
     "FullStateDictConfig",
@@ -72,6 +90,8 @@ __all__ = [
     "LocalOptimStateDictConfig",
     "LocalStateDictConfig",
     "MixedPrecision",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
     "OptimStateDictConfig",
     "OptimStateKeyType",
     "ShardedGradScaler",
@@ -81,6 +101,9 @@ __all__ = [
     "StateDictConfig",
     "StateDictSettings",
     "StateDictType",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
     "wrap",
 ]
 

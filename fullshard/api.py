@@ -11,11 +11,14 @@ from torch import nn
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
+    "CPUOffloadPolicy",
     "FullOptimStateDictConfig",
     "FullStateDictConfig",
     "LocalOptimStateDictConfig",
     "LocalStateDictConfig",
     "MixedPrecision",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
     "OptimStateDictConfig",
     "ShardedOptimStateDictConfig",
     "ShardedStateDictConfig",
@@ -156,3 +159,34 @@ class StateDictSettings:
     state_dict_type: StateDictType
     state_dict_config: StateDictConfig
     optim_state_dict_config: OptimStateDictConfig
+
+
+# -- FSDP2 (``fully_shard``) ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """``fully_shard``'s mixed precision, as torch's FSDP2 names it."""
+
+    param_dtype: torch.dtype | None = None
+    """Dtype of the unsharded parameters in forward and backward (and of the all-gather)."""
+    reduce_dtype: torch.dtype | None = None
+    """Dtype of the gradient reduce-scatter; defaults to ``param_dtype``."""
+    output_dtype: torch.dtype | None = None
+    """Dtype the module's floating-point outputs are cast to (None: left as computed)."""
+    cast_forward_inputs: bool = True
+    """Cast the module's floating-point forward inputs to ``param_dtype``."""
+
+
+@dataclass
+class OffloadPolicy:
+    """No offloading (the base class of ``fully_shard``'s offload policies)."""
+
+
+@dataclass
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep sharded parameters, gradients and so optimizer states on the CPU; parameters are
+    copied to the device for forward and backward."""
+
+    pin_memory: bool = True
+    """Pin the CPU copies (used when computing on CUDA)."""

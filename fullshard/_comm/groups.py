@@ -165,7 +165,7 @@ def effective_strategy(strategy: ShardingStrategy, groups: ShardingGroups) -> Sh
     return strategy
 
 
-def gradient_divide_factors(num_ranks: int) -> tuple[float, float]:
+def gradient_divide_factors(num_ranks: float) -> tuple[float, float]:
     """Split the 1/N of gradient averaging into a pre- and post-reduction division.
 
     Dividing partly before the sum keeps low-precision sums in range, partly after keeps

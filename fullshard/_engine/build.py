@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import init
+from .dtensor_params import DTensorParams
 from .flat_param import FlatParameter, FlatParamHandle
 from .names import FLAT_PARAM_NAMES, clean_fqn, flat_param_owner
 from .settings import Settings
@@ -88,6 +89,11 @@ def _make_handle(
         mixed_precision=unit.mixed_precision,
         offload_params=settings.offload_params,
         unsafe_setattr=settings.switches.use_unsafe_setattr,
+        dtensor_params=(
+            None
+            if settings.dtensor_mesh is None
+            else DTensorParams(settings.dtensor_mesh, [p.shape for p in params])
+        ),
     )
     if not settings.use_orig_params:
         owner = flat_param_owner(unit.module)

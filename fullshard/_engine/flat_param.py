@@ -27,6 +27,7 @@ from torch import nn
 
 from .._comm.groups import ShardingGroups
 from ..api import MixedPrecision, ShardingStrategy
+from .dtensor_params import DTensorParams
 from .flat_segment import FlatParameter, FlatSegment
 from .grads import GradReduction, _PendingReduction, assign_grad
 from .handle_state import HandleState
@@ -101,6 +102,7 @@ class FlatParamHandle(OrigParamViews, GradReduction):
         mixed_precision: MixedPrecision | None = None,
         offload_params: bool = False,
         unsafe_setattr: bool = False,
+        dtensor_params: DTensorParams | None = None,
     ) -> None:
         if not params:
             raise ValueError("a FlatParamHandle needs at least one parameter")
@@ -111,15 +113,17 @@ class FlatParamHandle(OrigParamViews, GradReduction):
         self.uses_sharded_strategy = strategy != ShardingStrategy.NO_SHARD
         self._use_orig_params = use_orig_params
         self._unsafe_setattr = unsafe_setattr
+        self._dtensor_params = dtensor_params  # FSDP2's DTensor parameters (dtensor_params.py)
+        self.gradient_divide_factor: float | None = None  # None: the data parallel ranks
         self.device = device
         self._offload_params = offload_params
         self._mixed_precision = mixed_precision
         self._orig_params: list[nn.Parameter] = list(params)
         self._owners = owners
         num_shards = groups.shard_size if self.uses_sharded_strategy else 1
-        self.layout: UnitLayout = make_unit_layout(
-            fqns, [p.shape for p in params], [p.requires_grad for p in params], num_shards
-        )
+        shapes, trains = [p.shape for p in params], [p.requires_grad for p in params]
+        dim0 = dtensor_params is not None  # FSDP2 splits each parameter on dim 0
+        self.layout: UnitLayout = make_unit_layout(fqns, shapes, trains, num_shards, dim0)
         self._orig_param_dtype: torch.dtype = params[0].dtype
         self._fwd_bwd_param_dtype: torch.dtype = params[0].dtype
         self._reduce_dtype: torch.dtype = params[0].dtype

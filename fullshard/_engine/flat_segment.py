@@ -10,7 +10,7 @@ owns three buffers:
 - ``flat_param._full_param_padded``: the padded unsharded buffer the all-gather writes into,
   on the compute device, in the compute dtype. Its storage is freed (resized to 0) whenever
   the unit is resharded.
-- the leaf: a separate autograd leaf over the first ``numel`` elements of that storage. During
+- the leaf: a separate autograd leaf over the first ``leaf_numel`` elements of that storage. During
   compute, modules see views of it; autograd accumulates the unsharded gradient into its
   ``.grad`` (trainable segments only). With NO_SHARD, in the shard's dtype and on its device,
   the leaf aliases the shard itself.
@@ -127,15 +127,20 @@ class FlatSegment:
 
     def _make_flat_param(self, params: list[nn.Parameter]) -> FlatParameter:
         layout = self.layout
+        # On the parameters' device: a CPU module stays on the CPU until the user moves it to
+        # the compute device (see [Note: devices] in init.py).
+        dtype, device = params[0].dtype, params[0].device
         with torch.no_grad():
-            # On the parameters' device: a CPU module stays on the CPU until the user moves
-            # it to the compute device (see [Note: devices] in init.py).
-            flat = torch.empty(layout.padded_numel, dtype=params[0].dtype, device=params[0].device)
-            flat[layout.numel :].zero_()
-            for slot, param in zip(layout.slots, params):
-                flat[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
-            start, end = layout.shard_range(self._shard_rank)
-            local_shard = flat[start:end].clone() if self.uses_sharded_strategy else flat
+            if self.uses_sharded_strategy:  # this rank's pieces; zeros where padding
+                local_shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+                for param, piece in zip(params, self.pieces):
+                    if piece is not None:
+                        source = param.detach().reshape(-1)
+                        local_shard[piece.shard_start : piece.shard_start + piece.numel].copy_(
+                            source[piece.param_start : piece.param_start + piece.numel]
+                        )
+            else:
+                local_shard = torch.cat([p.detach().reshape(-1) for p in params]).to(dtype)
             local_shard = self._to_shard_device(local_shard)
         full_param_padded = torch.empty(0, dtype=local_shard.dtype, device=self.device)
         return FlatParameter.from_shard(local_shard, full_param_padded, self.requires_grad)
@@ -173,7 +178,8 @@ class FlatSegment:
         leaf = torch.empty(0, dtype=dtype, device=self.device)
         # `set_` grows a storage too small for the sizes, so the storage must still be
         # allocated here; it is freed right after.
-        leaf.set_(source.untyped_storage(), source.storage_offset(), (self.layout.numel,), (1,))
+        numel = self.layout.leaf_numel
+        leaf.set_(source.untyped_storage(), source.storage_offset(), (numel,), (1,))
         if not aliases_shard:
             padded.untyped_storage().resize_(0)
         leaf.requires_grad_(self.requires_grad)
@@ -300,8 +306,7 @@ class FlatSegment:
 
     def views_of_flat(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per slot, its view (in its shape) of an unsharded flat tensor of this segment."""
-        pieces = torch.split(flat[: self.layout.numel], self.layout.numels)
-        return [piece.view(slot.shape) for piece, slot in zip(pieces, self.layout.slots)]
+        return self.layout.unsharded_views(flat)
 
     def sharded_piece_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per slot, its piece of the shard-shaped ``flat`` (empty if it has none)."""

@@ -58,6 +58,7 @@ class GradReduction:
         flat_param: FlatParameter
         _segments: tuple[FlatSegment, ...]
         _orig_params: list[nn.Parameter]
+        gradient_divide_factor: float | None
         _use_orig_params: bool
         _orig_param_dtype: torch.dtype
         _fwd_bwd_param_dtype: torch.dtype
@@ -99,7 +100,7 @@ class GradReduction:
         computed_dtype = grad.dtype
         ran_in_param_dtype = grad.dtype == self._fwd_bwd_param_dtype
         reduce_dtype = self._reduce_dtype if ran_in_param_dtype else grad.dtype
-        num_dp_ranks = self.groups.num_data_parallel_ranks
+        num_dp_ranks = self.gradient_divide_factor or self.groups.num_data_parallel_ranks
         if reduce_dtype.itemsize >= 4:
             # Full precision cannot overflow: divide before the sum, exactly as DDP does.
             predivide, postdivide = float(num_dp_ranks), 1.0
@@ -115,7 +116,7 @@ class GradReduction:
             )
             return
         layout = self._segments[0].layout
-        padding = layout.padded_numel - layout.numel
+        padding = layout.padded_numel - grad.numel()  # the flat layout's leaf stops at numel
         if padding:
             grad = torch.nn.functional.pad(grad, (0, padding))
         sharded = grad.new_empty(layout.shard_numel)

@@ -96,6 +96,96 @@ class FlatLayout:
             )
         return tuple(pieces)
 
+    @property
+    def leaf_numel(self) -> int:
+        """Elements of the unsharded buffer that modules' views cover (the padding at the end
+        is not part of any parameter)."""
+        return self.numel
+
+    def unsharded_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per slot, its view (in its shape) of an unsharded flat tensor of this layout (of
+        ``leaf_numel`` elements or more)."""
+        pieces = torch.split(flat[: self.numel], self.numels)
+        return [piece.view(slot.shape) for piece, slot in zip(pieces, self.slots)]
+
+
+@dataclass(frozen=True)
+class Dim0Layout(FlatLayout):
+    """FSDP2's layout: every parameter split on dim 0 as ``torch.chunk`` splits it.
+
+    Each rank's shard holds, back to back, its chunk of each parameter, every chunk padded
+    to ``ceil(rows / num_shards)`` rows, so shards are equal and the all-gather of the
+    shards (rank after rank) is the unsharded buffer. A slot's ``offset`` is its place in
+    every rank's shard. Worked example: ``a`` (5 x 2) and ``b`` (3,) on 2 ranks::
+
+        rank 0 shard (9): [a0 a1 a2 a3 a4 a5 | b0 b1 | pad]    a rows 0-2, b[0:2]
+        rank 1 shard (9): [a6 a7 a8 a9 pad pad | b2 | pad pad]  a rows 3-4, b[2:3]
+
+    A rank's chunk of a parameter is a whole number of rows, so it is that parameter's
+    local tensor (``DTensor`` with ``Shard(0)``) as a view of the shard. Unsharded, a
+    parameter's rows are spread over the ranks' blocks, so its unsharded tensor is a copy
+    (autograd links it to the buffer; one rank, it is a view).
+    """
+
+    chunk_rows: tuple[int, ...] = ()
+    """Per slot, the rows of each rank's (padded) chunk: ``ceil(rows / num_shards)``."""
+
+    @property
+    def leaf_numel(self) -> int:
+        return self.padded_numel  # the padding sits between the chunks
+
+    def _row_numel(self, index: int) -> int:
+        slot = self.slots[index]
+        return slot.numel // slot.shape[0] if slot.shape[0] else 0
+
+    def local_rows(self, index: int, shard_rank: int) -> int:
+        """Rows of parameter slot ``index`` that ``shard_rank`` holds (torch.chunk's split)."""
+        rows, chunk = self.slots[index].shape[0], self.chunk_rows[index]
+        return max(0, min(chunk, rows - shard_rank * chunk))
+
+    def shard_pieces(self, shard_rank: int) -> tuple[ShardPiece | None, ...]:
+        pieces: list[ShardPiece | None] = []
+        for index, slot in enumerate(self.slots):
+            rows = self.local_rows(index, shard_rank)
+            row_numel = self._row_numel(index)
+            if rows * row_numel == 0:
+                pieces.append(None)
+                continue
+            first_row = shard_rank * self.chunk_rows[index]
+            pieces.append(ShardPiece(index, first_row * row_numel, slot.offset, rows * row_numel))
+        return tuple(pieces)
+
+    def unsharded_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        blocks = flat[: self.padded_numel].view(self.num_shards, self.shard_numel)
+        views = []
+        for index, slot in enumerate(self.slots):
+            chunk = self.chunk_rows[index] * self._row_numel(index)
+            rows = blocks[:, slot.offset : slot.offset + chunk]
+            full = rows.reshape(self.num_shards * self.chunk_rows[index], *slot.shape[1:])
+            views.append(full[: slot.shape[0]])
+        return views
+
+
+def make_dim0_layout(
+    fqns: list[str], shapes: list[torch.Size], requires_grads: list[bool], num_shards: int
+) -> Dim0Layout:
+    """Lay out parameters split on dim 0 over ``num_shards`` shards (see ``Dim0Layout``)."""
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    slots: list[ParamSlot] = []
+    chunk_rows: list[int] = []
+    offset = 0
+    for fqn, shape, requires_grad in zip(fqns, shapes, requires_grads):
+        shape = torch.Size(shape)
+        if len(shape) == 0:
+            raise ValueError(f"parameter {fqn} is 0-dimensional: it cannot be split on dim 0")
+        rows = -(-shape[0] // num_shards)
+        slots.append(ParamSlot(fqn, shape, shape.numel(), offset, requires_grad))
+        chunk_rows.append(rows)
+        offset += rows * (shape.numel() // shape[0] if shape[0] else 0)
+    numel = sum(slot.numel for slot in slots)
+    return Dim0Layout(tuple(slots), numel, offset * num_shards, num_shards, tuple(chunk_rows))
+
 
 def padded_numel(numel: int, num_shards: int) -> int:
     """Smallest multiple of ``num_shards`` that is >= ``numel``."""
@@ -162,8 +252,11 @@ def make_unit_layout(
     shapes: list[torch.Size],
     requires_grads: list[bool],
     num_shards: int,
+    dim0: bool = False,
 ) -> UnitLayout:
-    """Lay out a unit's parameters: one segment, or trainable then frozen (see ``UnitLayout``)."""
+    """Lay out a unit's parameters: one segment, or trainable then frozen (see ``UnitLayout``);
+    flat (FSDP1) or split on dim 0 (``dim0``, FSDP2: see ``Dim0Layout``)."""
+    make = make_dim0_layout if dim0 else make_layout
     if not len(fqns) == len(shapes) == len(requires_grads):
         raise ValueError("fqns, shapes and requires_grads must have the same length")
     if len(set(requires_grads)) <= 1:
@@ -177,7 +270,7 @@ def make_unit_layout(
     locations: list[tuple[int, int]] = [(-1, -1)] * len(fqns)
     for segment, indices in enumerate(groups):
         segments.append(
-            make_layout(
+            make(
                 [fqns[i] for i in indices],
                 [shapes[i] for i in indices],
                 [requires_grads[i] for i in indices],

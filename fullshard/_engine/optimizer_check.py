@@ -43,6 +43,8 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, *_: Any) -> None:
                     f"took over when it wrapped the model (e.g. {name}): they are empty "
                     "now and never get gradients, so this step would change nothing. Build the "
                     "optimizer after wrapping, over the wrapped model's parameters() (or wrap "
-                    "with use_orig_params=True, which keeps the original parameters)"
+                    "with use_orig_params=True, which keeps the original parameters; with "
+                    "fully_shard, build it after fully_shard, over model.parameters(): its "
+                    "parameters are new DTensor ones)"
                 )
     _CHECKED_OPTIMIZERS[optimizer] = count

@@ -11,11 +11,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._comm import collectives as comm
 from .._comm.groups import ShardingGroups
 from ..api import ShardingStrategy
+from .dtensor_params import DTensorParams, local_tensor
 from .flat_segment import FlatParameter, FlatSegment
 from .grads import assign_grad
 from .handle_state import HandleState
@@ -117,6 +119,7 @@ class OrigParamViews:
         _owners: list[list[tuple[nn.Module, str]]]
         _use_orig_params: bool
         _unsafe_setattr: bool
+        _dtensor_params: DTensorParams | None
 
         @property
         def param_fqns(self) -> list[str]: ...
@@ -143,10 +146,30 @@ class OrigParamViews:
         for segment in self._segments:
             views = segment.sharded_piece_views(segment.flat_param)
             for index, view in zip(segment.indices, views):
-                self._orig_params[index].data = view.detach()
+                self._set_sharded_piece(index, view)
         for param, slot_owners in zip(self._orig_params, self._owners):
             for module, name in slot_owners:
                 _assign_param(module, name, param, self._unsafe_setattr)
+
+    def _set_sharded_piece(self, index: int, view: torch.Tensor) -> None:
+        """Original parameter ``index`` on ``view``, its piece of the shard: as its ``.data``
+        (FSDP1), or as the local tensor of its DTensor (FSDP2; the plain parameter found at
+        construction is replaced by a DTensor one, as torch's ``fully_shard`` does)."""
+        dtensors = self._dtensor_params
+        param = self._orig_params[index]
+        if dtensors is None:
+            param.data = view.detach()
+        elif isinstance(param, DTensor):
+            dtensors.repoint(param, index, view)
+        else:
+            self._orig_params[index] = dtensors.make_param(index, view, param.requires_grad)
+            param.data = param.data.new_empty(0)  # an optimizer still holding it is refused
+            RELEASED[param] = self.param_fqns[index]
+
+    def _sharded_grad(self, index: int, view: torch.Tensor) -> torch.Tensor:
+        """What parameter ``index``'s ``.grad`` is, given its piece of the sharded gradient."""
+        dtensors = self._dtensor_params
+        return view if dtensors is None else dtensors.wrap(index, view)
 
     def register_orig_params(self) -> None:
         """After a forward that keeps the unit unsharded until backward (the root, or
@@ -222,9 +245,10 @@ class OrigParamViews:
             if param is not self._orig_params[index]:
                 self._orig_params[index] = param  # its .grad, if any, is not kept (torch)
                 changed = True
-            if view.numel() > 0 and param.data_ptr() != view.data_ptr():
+            local = local_tensor(param)
+            if view.numel() > 0 and local.data_ptr() != view.data_ptr():
                 with torch.no_grad():
-                    view.copy_(param.detach())
+                    view.copy_(local.detach().reshape(view.shape))
                 changed = True
         if changed:
             self._use_sharded_params()
@@ -253,7 +277,8 @@ class OrigParamViews:
                 "parameters or differently in the modules sharing it; FSDP cannot change "
                 "which parameters are shared. Tie or untie parameters before wrapping"
             )
-        if param.shape != view.shape:
+        shape = local_tensor(param).reshape(-1).shape if isinstance(param, DTensor) else param.shape
+        if shape != view.shape:
             raise RuntimeError(
                 "Cannot writeback when the parameter shape changes\n"
                 f"Expects {view.shape} but got {param.shape}: the parameter {fqn} of FSDP unit "
@@ -274,7 +299,7 @@ class OrigParamViews:
         for index, view in self._orig_param_pieces():
             param, owners = self._orig_params[index], self._owners[index]
             replaced = any(module._parameters.get(name) is not param for module, name in owners)
-            moved = view.numel() > 0 and param.data_ptr() != view.data_ptr()
+            moved = view.numel() > 0 and local_tensor(param).data_ptr() != view.data_ptr()
             if replaced or moved:
                 raise OrigParamChangedError(
                     "FSDP does not support changing the parameters between forward and "
@@ -337,6 +362,7 @@ class OrigParamViews:
                 view.zero_()
                 continue
             any_kept = True
+            grad = local_tensor(grad)
             if grad.data_ptr() != view.data_ptr():
                 view.copy_(grad.reshape(view.shape))
         if not any_kept:
@@ -355,13 +381,19 @@ class OrigParamViews:
             for index, view in zip(segment.indices, segment.sharded_piece_views(flat_grad)):
                 trains = self._orig_params[index].requires_grad
                 if trains and (view.numel() > 0 or self.slot(index).numel == 0):
-                    grads[index] = view
+                    grads[index] = self._sharded_grad(index, view)
         for index, param in enumerate(self._orig_params):
             assign_grad(param, grads.get(index))
 
     def expose_unsharded_params(self) -> None:
         """Make the full parameters visible as registered ``nn.Parameter`` s (for summon)."""
         self._assert_state(HandleState.UNSHARDED, "expose_unsharded_params")
+        if self._dtensor_params is not None:
+            raise RuntimeError(
+                f"summon_full_params is FullyShardedDataParallel's; '{self.label}' was sharded "
+                "by fully_shard: call module.unshard() (its parameters are then full tensors "
+                "until module.reshard()), or gather a DTensor parameter with .full_tensor()"
+            )
         self.exposes_unsharded_params = True
         self.sync_orig_grads()  # leaving re-attaches grads from the sharded gradient
         views = [v.detach() for v in self._unsharded_views()]

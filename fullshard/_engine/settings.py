@@ -55,6 +55,10 @@ class Settings:
     communicate (ranks that are threads of one process share the environment, and one may set
     it meanwhile)."""
 
+    dtensor_mesh: DeviceMesh | None = None
+    """FSDP2 (``fully_shard``): parameters split on dim 0 over this mesh, DTensors outside
+    forward and backward (see dtensor_params.py); None for FSDP1's flat parameters."""
+
     @property
     def use_full_prec_in_eval(self) -> bool:
         """``FSDP_USE_FULL_PREC_IN_EVAL=1``."""

@@ -114,3 +114,39 @@ def test_map_tensors_keeps_container_types() -> None:
     mapped = map_tensors(lambda t: t + 1, data)
     assert isinstance(mapped["x"][1][0], Pair) and mapped["x"][1][0].b == 3
     assert mapped["x"][0].item() == 2 and mapped["x"][1][0].a.item() == 1
+
+
+# -- FSDP2's dim-0 layout -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 4])
+def test_dim0_layout_splits_like_torch_chunk(num_shards: int) -> None:
+    """Each rank's pieces are torch.chunk's dim-0 chunks, and the unsharded views of the
+    all-gathered shards give the parameters back (uneven and empty chunks included)."""
+    from fullshard._engine.layout import make_dim0_layout
+
+    params = [torch.randn(5, 2), torch.randn(3), torch.randn(1, 4)]
+    layout = make_dim0_layout(["a", "b", "c"], [p.shape for p in params], [True] * 3, num_shards)
+    shards = []
+    for rank in range(num_shards):
+        shard = torch.zeros(layout.shard_numel)
+        for param, piece in zip(params, layout.shard_pieces(rank)):
+            expected = torch.chunk(param, num_shards)
+            if piece is None:
+                assert rank >= len(expected) or expected[rank].numel() == 0
+                continue
+            flat = param.reshape(-1)[piece.param_start : piece.param_start + piece.numel]
+            torch.testing.assert_close(flat, expected[rank].reshape(-1), rtol=0, atol=0)
+            shard[piece.shard_start : piece.shard_start + piece.numel] = flat
+        shards.append(shard)
+    gathered = torch.cat(shards)
+    assert gathered.numel() == layout.padded_numel == layout.leaf_numel
+    for param, view in zip(params, layout.unsharded_views(gathered)):
+        torch.testing.assert_close(view, param, rtol=0, atol=0)
+
+
+def test_dim0_layout_refuses_scalars() -> None:
+    from fullshard._engine.layout import make_dim0_layout
+
+    with pytest.raises(ValueError, match="parameter s is 0-dimensional"):
+        make_dim0_layout(["s"], [torch.Size([])], [True], 2)

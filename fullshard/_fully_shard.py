@@ -1,0 +1,406 @@
+"""``fully_shard``: torch's FSDP2 API, a second front door on the engine FSDP1's uses.
+
+``fully_shard(module)`` builds one unit for ``module`` (``_engine.build``) with
+``Settings.dtensor_mesh`` set: the unit lays its parameters out split on dim 0 and its
+original parameters become ``DTensor`` s (``_engine/dtensor_params.py``), so the optimizer,
+``model.state_dict()``, ``torch.nn.utils.clip_grad_norm_`` and torch's checkpoint API see
+what torch's FSDP2 gives them. The unit is driven by module hooks instead of a wrapper's
+forward: the same ``before_forward`` / ``after_forward`` the FSDP1 front door calls, so the
+schedule (one all-gather and one reduce-scatter per unit, prefetching, the root kept
+unsharded after forward, reductions in flight) is the engine's. The module's class becomes
+``FSDP<Class>``, a subclass of ``FSDPModule`` and of its own class, as in torch.
+
+Call it bottom-up: blocks first, then the root; each call manages the parameters of its
+module that no earlier call manages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from ._engine import forward as _forward
+from ._engine.build import build_unit
+from ._engine.flat_param import HandleState
+from ._engine.optimizer_check import watch_optimizers
+from ._engine.runtime import TrainingState
+from ._engine.settings import resolve_settings
+from ._engine.unit import Unit, unit_of, units_in
+from .api import (
+    CPUOffload,
+    CPUOffloadPolicy,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardingStrategy,
+)
+
+__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
+
+_FSDP_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+"""Original class -> its ``FSDP<Class>`` subclass (made once per class)."""
+
+
+_NO_MIXED_PRECISION = MixedPrecisionPolicy()
+_NO_OFFLOAD = OffloadPolicy()
+
+
+@dataclasses.dataclass
+class _ShardedModule:
+    """What ``fully_shard`` keeps on the module it was applied to (whose class is now ours):
+    its unit (the engine's registry holds units weakly) and the FSDP2 options the engine's
+    settings do not carry."""
+
+    unit: Unit
+    output_dtype: torch.dtype | None
+    input_dtypes: list[torch.dtype | None] = dataclasses.field(default_factory=list)
+    """Per forward in progress (a module may run inside itself), the dtype to cast outputs
+    back to for classes that compute in full precision (the engine's ``before_forward``)."""
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = _NO_MIXED_PRECISION,
+    offload_policy: OffloadPolicy = _NO_OFFLOAD,
+    ignored_params: set[nn.Parameter] | None = None,
+) -> Any:
+    """Shard ``module``'s parameters (those no earlier ``fully_shard`` call on a submodule
+    manages) on dim 0 over ``mesh``; see torch's ``torch.distributed.fsdp.fully_shard``."""
+    target = _single_module(module)
+    mesh = mesh if mesh is not None else _default_mesh()
+    _check_mesh(mesh)
+    _check_not_applied(target)
+    strategy = _strategy(reshard_after_forward, mesh)
+    groups: dict[str, Any] = (
+        {"device_mesh": mesh} if mesh.ndim == 2 else {"process_group": mesh.get_group(0)}
+    )
+    settings = resolve_settings(
+        {
+            **groups,
+            "sharding_strategy": strategy,
+            "mixed_precision": _mixed_precision(mp_policy),
+            "cpu_offload": CPUOffload(offload_params=isinstance(offload_policy, CPUOffloadPolicy)),
+            "ignored_states": list(ignored_params or ()),
+            "use_orig_params": True,
+            "device_id": _mesh_device(mesh),
+        }
+    )
+    settings = dataclasses.replace(settings, dtensor_mesh=mesh)
+    _check_placements(target, shard_placement_fn, settings.ignored_params)
+    watch_optimizers()
+    state = _ShardedModule(build_unit(target, target, settings, set()), mp_policy.output_dtype)
+    target.__dict__["_fullshard_state"] = state
+    target.register_forward_pre_hook(functools.partial(_pre_forward, state), with_kwargs=True)
+    target.register_forward_hook(functools.partial(_post_forward, state), with_kwargs=True)
+    target.__class__ = _fsdp_class(type(target))
+    return module
+
+
+def _state(module: nn.Module) -> Unit:
+    """The engine's unit ``fully_shard`` attached to ``module`` (torch's ``FSDPState``)."""
+    unit = unit_of(module)
+    if unit is None or not isinstance(module, FSDPModule):
+        raise ValueError(f"{type(module).__qualname__} is not a module fully_shard was applied to")
+    return unit
+
+
+fully_shard.state = _state  # type: ignore[attr-defined]
+
+
+# -- checks ------------------------------------------------------------------------------
+
+
+def _single_module(module: nn.Module | list[nn.Module]) -> nn.Module:
+    if isinstance(module, list):
+        if len(module) != 1:
+            raise NotImplementedError(
+                "fullshard's fully_shard takes one module per call (a list of "
+                f"{len(module)} modules would share one parameter group); call fully_shard "
+                "on each module, or on a module that contains them"
+            )
+        module = module[0]
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__qualname__}")
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        raise ValueError(
+            f"fully_shard does not support containers that do not implement forward: "
+            f"{type(module).__name__}; apply it to the modules it holds, or to its parent"
+        )
+    return module
+
+
+def _check_not_applied(module: nn.Module) -> None:
+    """Twice on one module, or top-down (a parameter already managed by an ancestor's call)."""
+    if isinstance(module, FSDPModule) or unit_of(module) is not None:
+        original = type(module).__mro__[2] if isinstance(module, FSDPModule) else type(module)
+        raise ValueError(
+            f"fully_shard was already applied to this {original.__qualname__}; apply it once "
+            "per module"
+        )
+    for name, param in module.named_parameters():
+        if isinstance(param, DTensor) and not any(
+            param is p for unit in units_in(module) for p in _managed(unit)
+        ):
+            raise ValueError(
+                f"parameter '{name}' of this {type(module).__qualname__} is already sharded by "
+                "fully_shard on an ancestor module: fully_shard is applied bottom-up. Apply it "
+                "to the submodules first (e.g. each transformer block), then to the root"
+            )
+
+
+def _managed(unit: Unit) -> list[nn.Parameter]:
+    return [] if unit.handle is None else list(unit.handle.orig_params)
+
+
+def _check_mesh(mesh: DeviceMesh) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard's mesh must be a DeviceMesh, got {type(mesh).__qualname__}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard takes a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), "
+            f"got a {mesh.ndim}-D mesh"
+        )
+    if mesh.size() != dist.get_world_size():
+        raise ValueError(
+            f"fully_shard's mesh spans {mesh.size()} ranks but the default process group has "
+            f"{dist.get_world_size()}; build the mesh over every rank (init_device_mesh("
+            f"'{mesh.device_type}', ({dist.get_world_size()},)))"
+        )
+
+
+def _strategy(reshard_after_forward: bool | int | None, mesh: DeviceMesh) -> ShardingStrategy:
+    if reshard_after_forward is None:
+        reshard_after_forward = True  # the root keeps its parameters anyway (the engine's)
+    if not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"reshard_after_forward={reshard_after_forward!r}: fullshard's fully_shard "
+            "reshards to the whole shard group (True) or not at all (False); resharding to a "
+            "smaller group is not supported"
+        )
+    if mesh.ndim == 2:
+        return (
+            ShardingStrategy.HYBRID_SHARD
+            if reshard_after_forward
+            else ShardingStrategy._HYBRID_SHARD_ZERO2
+        )
+    return ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
+
+
+def _check_placements(
+    module: nn.Module,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    ignored: tuple[nn.Parameter, ...],
+) -> None:
+    if shard_placement_fn is None:
+        return
+    for name, param in module.named_parameters():
+        if any(param is p for p in ignored):
+            continue
+        placement = shard_placement_fn(param)
+        if placement is not None and placement != Shard(0):
+            raise NotImplementedError(
+                f"shard_placement_fn returned {placement} for parameter '{name}': fullshard's "
+                "fully_shard shards every parameter on dim 0 (return None or Shard(0))"
+            )
+
+
+def _mixed_precision(policy: MixedPrecisionPolicy) -> MixedPrecision | None:
+    if policy.param_dtype is None and policy.reduce_dtype is None:
+        return None
+    return MixedPrecision(
+        param_dtype=policy.param_dtype,
+        reduce_dtype=policy.reduce_dtype,
+        cast_forward_inputs=policy.cast_forward_inputs,
+        cast_root_forward_inputs=policy.cast_forward_inputs,
+        _module_classes_to_ignore=(),
+    )
+
+
+def _default_mesh() -> DeviceMesh:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard needs torch.distributed initialised: call "
+            "torch.distributed.init_process_group() first (torchrun sets the environment)"
+        )
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device | None:
+    if mesh.device_type == "cpu":
+        return None
+    return torch.device(mesh.device_type, torch.cuda.current_device())
+
+
+# -- hooks ---------------------------------------------------------------------------------
+
+
+def _pre_forward(
+    state: _ShardedModule, module: nn.Module, args: Any, kwargs: Any
+) -> tuple[Any, Any]:
+    args, kwargs, input_dtype = _forward.before_forward(state.unit, args, kwargs, module.training)
+    state.input_dtypes.append(input_dtype)
+    return args, kwargs
+
+
+def _post_forward(
+    state: _ShardedModule, module: nn.Module, args: Any, kwargs: Any, output: Any
+) -> Any:
+    input_dtype = state.input_dtypes.pop()
+    output = _forward.after_forward(state.unit, output, input_dtype, (args, kwargs))
+    if state.output_dtype is not None:
+        output = _forward.cast_floating(state.output_dtype, output)
+    return output
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run ``module.<method_name>`` (e.g. ``generate``) as the module's forward: its
+    parameters unsharded around it, as its ``forward`` gets from the hooks."""
+    unit = _state(module)
+    method = getattr(module, method_name)
+
+    @functools.wraps(method)
+    def as_forward(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs, input_dtype = _forward.before_forward(unit, args, kwargs, module.training)
+        output = method(*args, **kwargs)
+        return _forward.after_forward(unit, output, input_dtype, (args, kwargs))
+
+    setattr(module, method_name, as_forward)
+
+
+# -- the module's new class ----------------------------------------------------------------
+
+
+def _fsdp_class(cls: type[nn.Module]) -> type[nn.Module]:
+    if cls not in _FSDP_CLASSES:
+        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return _FSDP_CLASSES[cls]
+
+
+class UnshardHandle:
+    """What ``FSDPModule.unshard(async_op=True)`` returns: ``wait()`` waits for the
+    all-gather and gives the module its unsharded parameters."""
+
+    def __init__(self, unit: Unit) -> None:
+        self._unit: Unit | None = unit
+
+    def wait(self) -> None:
+        unit, self._unit = self._unit, None
+        if unit is None or unit.handle is None:
+            return
+        handle = unit.handle
+        if handle.state in (HandleState.UNSHARDING, HandleState.UNSHARDED):
+            handle.wait_unshard()
+            handle.use_unsharded_views()
+
+
+class FSDPModule:
+    """What ``fully_shard`` adds to a module's class (torch's ``FSDPModule`` methods)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Containers build new instances of their own class when indexed (nn.Sequential
+        # slices): those are plain modules of the original class.
+        original: Any = cls.__mro__[2]
+        instance = original.__new__(original)
+        original.__init__(instance, *args, **kwargs)
+        return instance
+
+    def __deepcopy__(self, memo: Any) -> NoReturn:
+        raise AssertionError(
+            "FSDP does not support deepcopy. Please use state dict for serialization."
+        )
+
+    @property
+    def _unit(self) -> Unit:
+        state: _ShardedModule = self.__dict__["_fullshard_state"]
+        return state.unit
+
+    def _units(self, recurse: bool) -> list[Unit]:
+        return units_in(self) if recurse else [self._unit]  # type: ignore[arg-type]
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather the parameters now (e.g. to overlap with other work before forward);
+        after ``wait()`` the module holds its unsharded parameters until ``reshard()`` or its
+        forward's end."""
+        unit = self._unit
+        if unit.runtime.training_state != TrainingState.IDLE:
+            raise RuntimeError(f"unshard() of '{unit.label}' inside its forward or backward")
+        _forward.unshard(unit)
+        work = UnshardHandle(unit)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters; the module holds its DTensor parameters again."""
+        unit = self._unit
+        if unit.runtime.training_state != TrainingState.IDLE:
+            raise RuntimeError(f"reshard() of '{unit.label}' inside its forward or backward")
+        handle = unit.handle
+        if handle is not None and handle.state != HandleState.SHARDED:
+            handle.reshard()
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """False: backward accumulates unsharded gradients locally, with no reduce-scatter
+        (gradient accumulation); set True again before the last micro-batch's backward."""
+        for unit in self._units(recurse):
+            unit.runtime.sync_gradients = requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether non-root units free their unsharded parameters after forward (and gather
+        them again in backward)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}"
+            )
+        for unit in self._units(recurse):
+            unit.runtime.reshard_after_forward = reshard_after_forward
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this unit's reduced gradients by ``factor`` instead of the number of data
+        parallel ranks."""
+        handle = self._unit.handle
+        if handle is not None:
+            handle.gradient_divide_factor = float(factor)
+
+    def _not_supported(self, what: str) -> NoReturn:
+        raise NotImplementedError(
+            f"fullshard's fully_shard does not support {what} yet: its schedule (prefetching "
+            "the next unit in forward and backward, waiting for every reduction at the end of "
+            "backward) is the engine's own"
+        )
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        self._not_supported("set_modules_to_forward_prefetch")
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        self._not_supported("set_modules_to_backward_prefetch")
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        self._not_supported("set_is_last_backward")
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        self._not_supported("set_requires_all_reduce")
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        self._not_supported("set_reshard_after_backward")
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        self._not_supported("set_unshard_in_backward")

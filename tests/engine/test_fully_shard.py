@@ -1,0 +1,291 @@
+"""FSDP2's ``fully_shard`` front door on gloo ranks: DTensor parameters, parity with DDP and with
+torch's own ``fully_shard``, the ``FSDPModule`` methods, and its errors."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from harness import run_on_ranks
+
+DIM = 12
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(DIM, 2 * DIM + 1)  # 25 rows: uneven on 2, 3 and 4 ranks
+        self.fc2 = nn.Linear(2 * DIM + 1, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class Net(nn.Module):
+    """An embedding tied to the output projection, blocks, a norm."""
+
+    def __init__(self, vocab: int = 11, num_blocks: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(num_blocks))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def _tokens(step: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 * step + dist.get_rank())
+    return torch.randint(0, 11, (4, 6), generator=generator)
+
+
+def _loss(output: torch.Tensor, step: int) -> torch.Tensor:
+    target = _tokens(step + 50)
+    return nn.functional.cross_entropy(output.float().reshape(-1, 11), target.reshape(-1))
+
+
+def _shard(model: Net, api: str, mesh: Any, **kwargs: Any) -> Net:
+    if api == "fullshard":
+        from fullshard import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard  # type: ignore[no-redef]
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
+    return model
+
+
+def _policies(api: str, mixed: bool, offload: bool) -> dict[str, Any]:
+    if api == "fullshard":
+        from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy
+    else:
+        from torch.distributed.fsdp import (  # type: ignore[assignment]
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+        )
+    kwargs: dict[str, Any] = {}
+    if mixed:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    return kwargs
+
+
+def _train(
+    api: str,
+    reshard_after_forward: bool | None,
+    mixed: bool,
+    offload: bool,
+    hsdp: bool = False,
+    steps: int = 5,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = Net()
+    world = dist.get_world_size()
+    if api == "ddp":
+        sharded: nn.Module = DDP(model)
+    else:
+        shape = (2, world // 2) if hsdp else (world,)
+        names = ("replicate", "shard") if hsdp else ("shard",)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        kwargs = _policies(api, mixed, offload)
+        if reshard_after_forward is not None:
+            kwargs["reshard_after_forward"] = reshard_after_forward
+        sharded = _shard(model, api, mesh, **kwargs)
+    optim = torch.optim.Adam(sharded.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        loss = _loss(sharded(_tokens(step)), step)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    full = {
+        name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+        for name, value in sharded.state_dict().items()
+    }
+    return losses, {name.removeprefix("module."): value for name, value in full.items()}
+
+
+def _compare(reshard_after_forward: bool | None, mixed: bool, offload: bool, hsdp: bool) -> None:
+    ours, our_params = _train("fullshard", reshard_after_forward, mixed, offload, hsdp)
+    theirs, their_params = _train("torch", reshard_after_forward, mixed, offload, hsdp)
+    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6), (ours, theirs)
+    for name, value in their_params.items():
+        torch.testing.assert_close(our_params[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    if not mixed:
+        ddp, ddp_params = _train("ddp", None, False, False)
+        assert ours == pytest.approx(ddp, rel=1e-5, abs=1e-6), (ours, ddp)
+        for name, value in ddp_params.items():
+            torch.testing.assert_close(our_params[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("reshard_after_forward", [None, True, False])
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_parity_on_two_ranks(
+    reshard_after_forward: bool | None, mixed: bool, offload: bool
+) -> None:
+    """5 Adam steps: the same losses and parameters as torch's fully_shard (and as DDP in
+    fp32), for a model with a tied embedding and uneven dim-0 chunks."""
+    run_on_ranks(2, _compare, reshard_after_forward, mixed, offload, False)
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16"])
+def test_parity_on_three_ranks(mixed: bool) -> None:
+    run_on_ranks(3, _compare, None, mixed, False, False)
+
+
+def test_parity_hsdp_on_a_2x2_mesh() -> None:
+    run_on_ranks(4, _compare, None, False, False, True)
+
+
+def _dtensor_parameters() -> None:
+    from fullshard import FSDPModule, fully_shard
+
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    _shard(model, "fullshard", mesh)
+    assert isinstance(model, FSDPModule) and isinstance(model, Net)
+    assert type(model).__name__ == "FSDPNet"
+    assert isinstance(model.blocks[0], FSDPModule)
+    assert fully_shard.state(model.blocks[0]).handle is not None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = [name for name, _ in model.named_parameters()]
+    assert names == [name for name, _ in reference.named_parameters()]
+    for (name, param), (_, original) in zip(model.named_parameters(), reference.named_parameters()):
+        assert isinstance(param, DTensor) and isinstance(param, nn.Parameter), name
+        assert param.placements == (Shard(0),) and param.shape == original.shape
+        expected = torch.chunk(original.detach(), world, dim=0)
+        local = (
+            expected[rank] if rank < len(expected) else original.new_empty(0, *original.shape[1:])
+        )
+        torch.testing.assert_close(param.to_local(), local, rtol=0, atol=0)
+        torch.testing.assert_close(param.full_tensor(), original.detach(), rtol=0, atol=0)
+    state = model.state_dict()  # no communication: DTensors under the plain module's keys
+    assert list(state) == list(reference.state_dict())
+    assert all(isinstance(value, DTensor) for value in state.values())
+    model(_tokens(0)).sum().backward()
+    for name, param in model.named_parameters():
+        assert isinstance(param.grad, DTensor), name
+        assert param.grad.placements == (Shard(0),)
+        assert param.grad.to_local().shape == param.to_local().shape
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+    assert isinstance(norm, (torch.Tensor, DTensor))
+
+
+def test_parameters_and_gradients_are_dim0_dtensors() -> None:
+    run_on_ranks(3, _dtensor_parameters)
+
+
+def _clip_grad_norm_matches_ddp() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(copy.deepcopy(model))
+    _shard(model, "fullshard", init_device_mesh("cpu", (dist.get_world_size(),)))
+    for net in (model, ddp):
+        _loss(net(_tokens(0)), 0).backward()
+    ours = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.1)
+    theirs = torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm=0.1)
+    ours = ours.full_tensor() if isinstance(ours, DTensor) else ours
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    for (name, param), other in zip(model.named_parameters(), ddp.parameters()):
+        torch.testing.assert_close(
+            param.grad.full_tensor(), other.grad, rtol=1e-5, atol=1e-6, msg=name
+        )
+
+
+def test_clip_grad_norm_of_dtensor_gradients_matches_ddp() -> None:
+    run_on_ranks(2, _clip_grad_norm_matches_ddp)
+
+
+def _unshard_reshard_and_gradient_sync() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(copy.deepcopy(model))
+    _shard(model, "fullshard", init_device_mesh("cpu", (dist.get_world_size(),)))
+    block = model.blocks[1]
+    handle = block.unshard(async_op=True)
+    assert handle is not None
+    handle.wait()
+    assert not isinstance(block.fc1.weight, DTensor) and block.fc1.weight.shape == (25, DIM)
+    torch.testing.assert_close(block.fc1.weight, ddp.module.blocks[1].fc1.weight)
+    block.reshard()
+    assert isinstance(block.fc1.weight, DTensor)
+    # Accumulate two micro-batches without reduce-scatter, then sync on the last.
+    model.set_requires_gradient_sync(False)
+    with ddp.no_sync():
+        _loss(ddp(_tokens(0)), 0).backward()
+    _loss(model(_tokens(0)), 0).backward()
+    assert all(p.grad is None for p in model.parameters())
+    model.set_requires_gradient_sync(True)
+    _loss(ddp(_tokens(1)), 1).backward()
+    _loss(model(_tokens(1)), 1).backward()
+    for (name, param), other in zip(model.named_parameters(), ddp.parameters()):
+        torch.testing.assert_close(
+            param.grad.full_tensor(), other.grad, rtol=1e-5, atol=1e-6, msg=name
+        )
+
+
+def test_unshard_reshard_and_requires_gradient_sync() -> None:
+    run_on_ranks(2, _unshard_reshard_and_gradient_sync)
+
+
+def _misuse() -> None:
+    from fullshard import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = Net()
+    fully_shard(model.blocks[0], mesh=mesh)
+    with pytest.raises(ValueError, match="fully_shard was already applied to this Block"):
+        fully_shard(model.blocks[0], mesh=mesh)
+    top_down = Net()
+    fully_shard(top_down, mesh=mesh)
+    with pytest.raises(
+        ValueError, match=r"parameter 'fc1.weight' of this Block is already sharded"
+    ):
+        fully_shard(top_down.blocks[0], mesh=mesh)
+    early = Net()
+    optim = torch.optim.SGD(early.parameters(), lr=0.1)
+    _shard(early, "fullshard", mesh)
+    _loss(early(_tokens(0)), 0).backward()
+    with pytest.raises(RuntimeError, match="build it after fully_shard"):
+        optim.step()
+    with pytest.raises(NotImplementedError, match="resharding to a smaller group"):
+        fully_shard(Net(), mesh=mesh, reshard_after_forward=2)
+    with pytest.raises(NotImplementedError, match="set_modules_to_forward_prefetch"):
+        early.set_modules_to_forward_prefetch([early.blocks[0]])
+
+
+def test_misuse_is_refused_with_the_fix() -> None:
+    run_on_ranks(2, _misuse)
+
+
+def _hsdp_placements() -> None:
+    from fullshard import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = fully_shard(Net(), mesh=mesh)
+    for param in model.parameters():
+        assert param.placements == (Replicate(), Shard(0))
+
+
+def test_hsdp_parameters_are_replicated_then_sharded() -> None:
+    run_on_ranks(4, _hsdp_placements)
