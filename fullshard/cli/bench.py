@@ -44,7 +44,7 @@ from torch import nn
 from fullshard.cli.plan import ModelShape, gpt_shape, make_plan
 from fullshard.examples.gpt import GPT, Block, GPTConfig, num_params
 
-ENGINES = ["local", "ddp", "fsdp1", "fsdp2", "fullshard"]
+ENGINES = ["local", "ddp", "fsdp1", "fsdp2", "fullshard", "fullshard-fsdp2"]
 TORCH_ENGINES = ("fsdp1", "fsdp2")
 """Engines defined in `TORCH_ENGINES_FILE`."""
 TORCH_ENGINES_FILE = Path(__file__).resolve().parents[2] / "benchmarks" / "torch_fsdp.py"
@@ -166,6 +166,15 @@ def _wrap(
     import fullshard
     from fullshard.wrap import ModuleWrapPolicy as OurPolicy
 
+    if engine == "fullshard-fsdp2":  # fullshard's fully_shard, as torch's FSDP2 is applied
+        reshard = args.strategy == "FULL_SHARD"
+        policy = fullshard.MixedPrecisionPolicy(torch.bfloat16, torch.bfloat16) if bf16 else None
+        options: dict[str, Any] = {"reshard_after_forward": reshard}
+        if policy is not None:
+            options["mp_policy"] = policy
+        for module in [m for m in model.modules() if isinstance(m, Block)] + [model]:
+            fullshard.fully_shard(module, **options)
+        return model
     return fullshard.FullyShardedDataParallel(
         model,
         auto_wrap_policy=OurPolicy({Block}),
@@ -230,7 +239,7 @@ def _run_engine(
             over_loopback = (_loopback_bytes() - sent_before) / dist.get_world_size()
             over_shared_memory = _shared_memory_bytes() - shared_before
             result["bytes"] = (over_loopback + over_shared_memory) / args.steps
-            if engine == "fullshard":
+            if engine.startswith("fullshard"):
                 result["counted_bytes"] = (_fullshard_bytes() - counted_before) / args.steps
             total = torch.tensor([result["loss"]], device=device)
             dist.all_reduce(total)

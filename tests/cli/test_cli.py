@@ -311,15 +311,17 @@ def test_bench_prints_table_and_writes_json(tmp_path: Path) -> None:
     """``fullshard bench`` on the tiny config, two engines, one round: the table lists both,
     fullshard's loss equals DDP's, the JSON holds them and the memory model's prediction."""
     out = tmp_path / "bench.json"
-    result = _run(["bench", "--config", "tiny", "--engines", "ddp,fsdp1,fullshard", "--rounds",
+    engine_list = ["ddp", "fsdp1", "fullshard", "fullshard-fsdp2"]
+    result = _run(["bench", "--config", "tiny", "--engines", ",".join(engine_list), "--rounds",
                    "1", "--steps", "2", "--json", str(out)])  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
-    assert [row.split("|")[1].strip() for row in rows[1:]] == ["ddp", "fsdp1", "fullshard"]
+    assert [row.split("|")[1].strip() for row in rows[1:]] == engine_list
     assert "WARNING" not in result.stdout  # the FSDP engines' losses equal DDP's
     data = json.loads(out.read_text())
     engines = {entry["engine"]: entry for entry in data["results"]}
     assert engines["fullshard"]["loss"] == engines["fsdp1"]["loss"] == engines["ddp"]["loss"]
+    assert engines["fullshard-fsdp2"]["loss"] == pytest.approx(engines["ddp"]["loss"], rel=1e-6)
     assert data["predicted_fullshard_peak_mib"] > 0
 
 

@@ -289,3 +289,72 @@ def _hsdp_placements() -> None:
 
 def test_hsdp_parameters_are_replicated_then_sharded() -> None:
     run_on_ranks(4, _hsdp_placements)
+
+
+# -- checkpoints through torch's checkpoint API, interchangeable with torch's FSDP2 ----------
+
+
+def _sharded_net(api: str) -> tuple[Net, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = _shard(Net(), api, init_device_mesh("cpu", (dist.get_world_size(),)))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _steps(model: Net, optim: torch.optim.Optimizer, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        loss = _loss(model(_tokens(step)), step)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _full_state(model: Net, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every parameter and Adam moment, full, keyed by parameter name."""
+    full = {}
+    for name, param in model.named_parameters():
+        full[name] = param.full_tensor().detach().clone()
+        for key in ("exp_avg", "exp_avg_sq"):
+            full[f"{name}.{key}"] = optim.state[param][key].full_tensor().clone()
+    return full
+
+
+def _save(api: str, path: str) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim = _sharded_net(api)
+    _steps(model, optim, range(3))
+    model_state, optim_state = get_state_dict(model, optim)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    return _full_state(model, optim)
+
+
+def _resume(api: str, path: str) -> tuple[dict[str, torch.Tensor], list[float]]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, optim = _sharded_net(api)
+    model_state, optim_state = get_state_dict(model, optim)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return _full_state(model, optim), _steps(model, optim, range(3, 7))
+
+
+@pytest.mark.parametrize("writer", ["torch", "fullshard"])
+def test_checkpoints_interchange_with_torch_fsdp2_across_world_sizes(
+    writer: str, tmp_path: Any
+) -> None:
+    """Saved by ``writer``'s fully_shard on 2 ranks (get_state_dict + dcp.save), loaded on 3
+    ranks by both (dcp.load + set_state_dict): both resume to the same losses."""
+    path = str(tmp_path / "checkpoint")
+    saved = run_on_ranks(2, _save, writer, path)[0]
+    our_state, ours = run_on_ranks(3, _resume, "fullshard", path)[0]
+    their_state, theirs = run_on_ranks(3, _resume, "torch", path)[0]
+    for name, value in saved.items():  # the parameters and the optimizer state came back
+        torch.testing.assert_close(our_state[name], value, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(their_state[name], value, rtol=0, atol=0, msg=name)
+    assert ours == pytest.approx(theirs, rel=1e-5), (ours, theirs)
