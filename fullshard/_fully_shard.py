@@ -149,10 +149,9 @@ def _check_not_applied(module: nn.Module) -> None:
             f"fully_shard was already applied to this {original.__qualname__}; apply it once "
             "per module"
         )
+    nested = {id(p) for unit in units_in(module) for p in _managed(unit)}
     for name, param in module.named_parameters():
-        if isinstance(param, DTensor) and not any(
-            param is p for unit in units_in(module) for p in _managed(unit)
-        ):
+        if isinstance(param, DTensor) and id(param) not in nested:
             raise ValueError(
                 f"parameter '{name}' of this {type(module).__qualname__} is already sharded by "
                 "fully_shard on an ancestor module: fully_shard is applied bottom-up. Apply it "
@@ -205,8 +204,9 @@ def _check_placements(
 ) -> None:
     if shard_placement_fn is None:
         return
+    ignored_ids = {id(p) for p in ignored}
     for name, param in module.named_parameters():
-        if any(param is p for p in ignored):
+        if id(param) in ignored_ids:
             continue
         placement = shard_placement_fn(param)
         if placement is not None and placement != Shard(0):
@@ -268,14 +268,14 @@ def _post_forward(
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Run ``module.<method_name>`` (e.g. ``generate``) as the module's forward: its
     parameters unsharded around it, as its ``forward`` gets from the hooks."""
-    unit = _state(module)
+    _state(module)  # raises unless fully_shard was applied to it
+    state: _ShardedModule = module.__dict__["_fullshard_state"]
     method = getattr(module, method_name)
 
     @functools.wraps(method)
     def as_forward(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs, input_dtype = _forward.before_forward(unit, args, kwargs, module.training)
-        output = method(*args, **kwargs)
-        return _forward.after_forward(unit, output, input_dtype, (args, kwargs))
+        args, kwargs = _pre_forward(state, module, args, kwargs)
+        return _post_forward(state, module, args, kwargs, method(*args, **kwargs))
 
     setattr(module, method_name, as_forward)
 
@@ -291,18 +291,17 @@ def _fsdp_class(cls: type[nn.Module]) -> type[nn.Module]:
 
 class UnshardHandle:
     """What ``FSDPModule.unshard(async_op=True)`` returns: ``wait()`` waits for the
-    all-gather and gives the module its unsharded parameters."""
+    all-gather (the engine's ``UnshardWork``) and gives the module its unsharded parameters."""
 
-    def __init__(self, unit: Unit) -> None:
+    def __init__(self, unit: Unit, work: _forward.UnshardWork) -> None:
         self._unit: Unit | None = unit
+        self._work = work
 
     def wait(self) -> None:
         unit, self._unit = self._unit, None
-        if unit is None or unit.handle is None:
-            return
-        handle = unit.handle
-        if handle.state in (HandleState.UNSHARDING, HandleState.UNSHARDED):
-            handle.wait_unshard()
+        self._work.wait()
+        handle = unit.handle if unit is not None else None
+        if handle is not None and handle.state == HandleState.UNSHARDED:
             handle.use_unsharded_views()
 
 
@@ -337,8 +336,7 @@ class FSDPModule:
         unit = self._unit
         if unit.runtime.training_state != TrainingState.IDLE:
             raise RuntimeError(f"unshard() of '{unit.label}' inside its forward or backward")
-        _forward.unshard(unit)
-        work = UnshardHandle(unit)
+        work = UnshardHandle(unit, _forward.unshard(unit))
         if async_op:
             return work
         work.wait()

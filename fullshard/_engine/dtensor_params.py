@@ -39,6 +39,8 @@ class DTensorParams:
         self.mesh = mesh
         self.placements = placements_for(mesh)
         self._shapes = shapes
+        self._strides = [torch.empty(shape, device="meta").stride() for shape in shapes]
+        """Each parameter's contiguous stride (its DTensors' global stride)."""
 
     def _local_shape(self, index: int, piece: torch.Tensor) -> tuple[int, ...]:
         rest = tuple(self._shapes[index][1:])
@@ -47,11 +49,14 @@ class DTensorParams:
 
     def wrap(self, index: int, piece: torch.Tensor) -> DTensor:
         """Parameter ``index``'s DTensor over ``piece`` (its chunk of a shard, flat)."""
-        shape = self._shapes[index]
         local = piece.view(self._local_shape(index, piece))
-        stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(
-            local, self.mesh, self.placements, run_check=False, shape=shape, stride=stride
+            local,
+            self.mesh,
+            self.placements,
+            run_check=False,
+            shape=self._shapes[index],
+            stride=self._strides[index],
         )
 
     def make_param(self, index: int, piece: torch.Tensor, requires_grad: bool) -> nn.Parameter:

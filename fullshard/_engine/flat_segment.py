@@ -140,7 +140,7 @@ class FlatSegment:
                             source[piece.param_start : piece.param_start + piece.numel]
                         )
             else:
-                local_shard = torch.cat([p.detach().reshape(-1) for p in params]).to(dtype)
+                local_shard = torch.cat([p.detach().reshape(-1) for p in params])
             local_shard = self._to_shard_device(local_shard)
         full_param_padded = torch.empty(0, dtype=local_shard.dtype, device=self.device)
         return FlatParameter.from_shard(local_shard, full_param_padded, self.requires_grad)

@@ -108,13 +108,7 @@ def _train(
             kwargs["reshard_after_forward"] = reshard_after_forward
         sharded = _shard(model, api, mesh, **kwargs)
     optim = torch.optim.Adam(sharded.parameters(), lr=1e-2)
-    losses = []
-    for step in range(steps):
-        loss = _loss(sharded(_tokens(step)), step)
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
+    losses = _steps(sharded, optim, range(steps))
     full = {
         name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
         for name, value in sharded.state_dict().items()
@@ -195,6 +189,13 @@ def test_parameters_and_gradients_are_dim0_dtensors() -> None:
     run_on_ranks(3, _dtensor_parameters)
 
 
+def _assert_grads_equal(model: Net, ddp: DDP) -> None:
+    for (name, param), other in zip(model.named_parameters(), ddp.parameters()):
+        torch.testing.assert_close(
+            param.grad.full_tensor(), other.grad, rtol=1e-5, atol=1e-6, msg=name
+        )
+
+
 def _clip_grad_norm_matches_ddp() -> None:
     torch.manual_seed(0)
     model = Net()
@@ -206,10 +207,7 @@ def _clip_grad_norm_matches_ddp() -> None:
     theirs = torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm=0.1)
     ours = ours.full_tensor() if isinstance(ours, DTensor) else ours
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
-    for (name, param), other in zip(model.named_parameters(), ddp.parameters()):
-        torch.testing.assert_close(
-            param.grad.full_tensor(), other.grad, rtol=1e-5, atol=1e-6, msg=name
-        )
+    _assert_grads_equal(model, ddp)
 
 
 def test_clip_grad_norm_of_dtensor_gradients_matches_ddp() -> None:
@@ -238,14 +236,37 @@ def _unshard_reshard_and_gradient_sync() -> None:
     model.set_requires_gradient_sync(True)
     _loss(ddp(_tokens(1)), 1).backward()
     _loss(model(_tokens(1)), 1).backward()
-    for (name, param), other in zip(model.named_parameters(), ddp.parameters()):
-        torch.testing.assert_close(
-            param.grad.full_tensor(), other.grad, rtol=1e-5, atol=1e-6, msg=name
-        )
+    _assert_grads_equal(model, ddp)
 
 
 def test_unshard_reshard_and_requires_gradient_sync() -> None:
     run_on_ranks(2, _unshard_reshard_and_gradient_sync)
+
+
+def _forward_method() -> None:
+    """A registered method runs as the module's forward: on its unsharded parameters, its
+    output cast to ``output_dtype`` as forward's is."""
+    from fullshard import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    class Doubler(Block):
+        def double(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * self.fc1(x)
+
+    torch.manual_seed(0)
+    module = Doubler()
+    reference = copy.deepcopy(module)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy(output_dtype=torch.float64))
+    register_fsdp_forward_method(module, "double")
+    x = torch.randn(3, DIM)
+    output = module.double(x)
+    assert output.dtype == torch.float64
+    torch.testing.assert_close(output, reference.double(x).double())
+    assert isinstance(module.fc1.weight, DTensor)  # resharded after it, as after forward
+
+
+def test_register_fsdp_forward_method() -> None:
+    run_on_ranks(2, _forward_method)
 
 
 def _misuse() -> None:
@@ -300,7 +321,7 @@ def _sharded_net(api: str) -> tuple[Net, torch.optim.Optimizer]:
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
-def _steps(model: Net, optim: torch.optim.Optimizer, steps: range) -> list[float]:
+def _steps(model: nn.Module, optim: torch.optim.Optimizer, steps: range) -> list[float]:
     losses = []
     for step in steps:
         loss = _loss(model(_tokens(step)), step)
