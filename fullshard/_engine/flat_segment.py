@@ -30,7 +30,8 @@ from torch.utils.hooks import RemovableHandle
 
 from .._comm import collectives as comm
 from .._comm.groups import ShardingGroups
-from .layout import FlatLayout, ShardPiece
+from .dim0_unsharded import Dim0Unsharded
+from .layout import Dim0Layout, FlatLayout, ShardPiece
 
 __all__ = ["FlatParameter", "FlatSegment"]
 
@@ -71,6 +72,9 @@ class Unsharded:
     aliases_shard: bool
     """NO_SHARD with no cast and no offload: the leaf is the shard, nothing is copied."""
     hook: RemovableHandle | None
+    params: Dim0Unsharded | None = None
+    """Dim-0 layouts (``fully_shard``): the parameters' own unsharded tensors, filled from
+    ``padded``, which is freed once they are (see ``dim0_unsharded``)."""
 
 
 class FlatSegment:
@@ -183,7 +187,10 @@ class FlatSegment:
         if not aliases_shard:
             padded.untyped_storage().resize_(0)
         leaf.requires_grad_(self.requires_grad)
-        unsharded = Unsharded(padded, leaf, aliases_shard, None)
+        params = None
+        if isinstance(self.layout, Dim0Layout):
+            params = Dim0Unsharded(self.layout, dtype, self.device)
+        unsharded = Unsharded(padded, leaf, aliases_shard, None, params)
         self._hook_leaf(unsharded)
         return unsharded
 
@@ -260,6 +267,7 @@ class FlatSegment:
         """
         self.active = unsharded = self.unsharded_for(dtype)
         if unsharded.aliases_shard:
+            self._copy_out()
             return False
         padded = unsharded.padded
         padded.untyped_storage().resize_(padded.numel() * padded.element_size())
@@ -270,6 +278,7 @@ class FlatSegment:
             source.copy_(local_shard, non_blocking=True)
         if not self.uses_sharded_strategy:
             padded.copy_(source)
+            self._copy_out()
             return False
         self._unshard_input = source
         self._unshard_work = comm.all_gather_into(padded, source, self.groups.shard, label)
@@ -280,28 +289,48 @@ class FlatSegment:
             self._unshard_work.wait()
             self._unshard_work = None
             self._unshard_input = None
+            self._copy_out()
+
+    def _copy_out(self) -> None:
+        """Dim-0 layouts: fill the parameters' own tensors from the gathered buffer, then
+        free the buffer (see [Note: per-parameter unsharded storage])."""
+        unsharded = self.active
+        if unsharded.params is None:
+            return
+        unsharded.params.fill(unsharded.leaf.detach())
+        if not unsharded.aliases_shard:
+            unsharded.padded.untyped_storage().resize_(0)
 
     def reshard(self) -> None:
         """Free the unsharded storage (the shard stays)."""
         if not self.active.aliases_shard:
             self.active.padded.untyped_storage().resize_(0)
+        if self.active.params is not None:
+            self.active.params.free()
 
     def write_back(self) -> None:
         """Copy this rank's part of the unsharded buffer into the shard (summon's writeback)."""
         if self.active.aliases_shard:
             return
+        assert self.active.params is None, "dim-0 layouts free the buffer once copied out"
         start, end = self.layout.shard_range(self._shard_rank)
         with torch.no_grad():
             self.flat_param._local_shard.copy_(self.active.padded[start:end])
 
     def storage_size(self) -> int:
         """Bytes held by the unsharded buffers (0 when resharded)."""
-        return sum(u.padded.untyped_storage().nbytes() for u in self.buffers())
+        return sum(
+            u.padded.untyped_storage().nbytes() + (u.params.nbytes() if u.params else 0)
+            for u in self.buffers()
+        )
 
     # -- views ------------------------------------------------------------------------------
 
     def leaf_views(self) -> list[torch.Tensor]:
-        """Per slot, its view (in its shape) of the active leaf."""
+        """Per slot, its view (in its shape) of the active leaf (dim-0 layouts: its own
+        tensor, linked to the leaf by autograd)."""
+        if self.active.params is not None:
+            return self.active.params.views(self.active.leaf)
         return self.views_of_flat(self.active.leaf)
 
     def views_of_flat(self, flat: torch.Tensor) -> list[torch.Tensor]:

@@ -155,6 +155,33 @@ class Dim0Layout(FlatLayout):
             pieces.append(ShardPiece(index, first_row * row_numel, slot.offset, rows * row_numel))
         return tuple(pieces)
 
+    def rank_chunks(
+        self, index: int, param: torch.Tensor, flat: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Pairs (rows of ``param``, where they sit in the unsharded ``flat``), both flat,
+        covering parameter slot ``index``: one pair when its rows split evenly over the
+        ranks, else one per rank holding rows. Views where ``param`` is contiguous."""
+        row_numel = self._row_numel(index)
+        if row_numel == 0:
+            return []
+        num_shards, chunk, offset = (
+            self.num_shards,
+            self.chunk_rows[index],
+            self.slots[index].offset,
+        )
+        blocks = flat[: self.padded_numel].view(num_shards, self.shard_numel)
+        if param.shape[0] == chunk * num_shards:
+            places = blocks[:, offset : offset + chunk * row_numel]
+            return [(param.reshape(num_shards, chunk * row_numel), places)]
+        pairs = []
+        for shard_rank in range(num_shards):
+            rows = self.local_rows(index, shard_rank)
+            if rows:
+                start = shard_rank * chunk
+                param_rows = param[start : start + rows].reshape(-1)
+                pairs.append((param_rows, blocks[shard_rank, offset : offset + rows * row_numel]))
+        return pairs
+
     def unsharded_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         blocks = flat[: self.padded_numel].view(self.num_shards, self.shard_numel)
         views = []

@@ -380,11 +380,13 @@ class UnitRuntime:
                 tensor.register_hook(functools.partial(self._pre_backward_hook, record))
         if self.is_root:  # every unit's walk is done: drop the nodes the ranges hold
             self.root.forget_forward_ranges()
-        if handle is not None and (
-            not will_backward or (self.reshard_after_forward and not self.is_root)
-        ):
+        # SHARDED already: a forward run inside this one (a registered forward method such as
+        # generate calling the module) resharded it.
+        if handle is None or handle.state == HandleState.SHARDED:
+            pass
+        elif not will_backward or (self.reshard_after_forward and not self.is_root):
             handle.reshard()
-        elif handle is not None:
+        else:
             handle.register_orig_params()
         # From IDLE too: a unit whose forward runs again inside its own forward (recursion)
         # is back to IDLE after the inner call.

@@ -379,3 +379,53 @@ def test_checkpoints_interchange_with_torch_fsdp2_across_world_sizes(
         torch.testing.assert_close(our_state[name], value, rtol=0, atol=0, msg=name)
         torch.testing.assert_close(their_state[name], value, rtol=0, atol=0, msg=name)
     assert ours == pytest.approx(theirs, rel=1e-5), (ours, theirs)
+
+
+def _schedule_and_memory(reshard_after_forward: bool) -> None:
+    """One all-gather per group in forward, one per resharded group in backward, one
+    reduce-scatter per group; the unsharded parameters a resharded block computed with (that
+    autograd saved for backward) hold no storage between its forward and its backward, and no
+    unit holds any after backward."""
+    from fullshard import fully_shard
+    from fullshard._comm.collectives import COUNTERS
+
+    torch.manual_seed(0)
+    model = _shard(
+        Net(),
+        "fullshard",
+        init_device_mesh("cpu", (2,)),
+        reshard_after_forward=reshard_after_forward,
+    )
+    seen: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            module.register_forward_pre_hook(
+                lambda m, args, name=name: seen.__setitem__(name, m.weight)
+            )
+    groups = {"blocks.0", "blocks.1", "blocks.2", "(root)"}
+    COUNTERS.reset()
+    output = model(_tokens(0))
+    forward_gathers = [label for kind, label in COUNTERS.labels if kind == "all_gather"]
+    assert sorted(forward_gathers) == sorted(groups)
+    held = {name: w.untyped_storage().nbytes() > 0 for name, w in seen.items()}
+    assert held["head"]  # the root keeps its parameters for backward
+    assert all(
+        held[f"blocks.{i}.{fc}"] == (not reshard_after_forward)
+        for i in range(3)
+        for fc in ("fc1", "fc2")
+    )
+    COUNTERS.reset()
+    _loss(output, 0).backward()
+    kinds = [(kind, label) for kind, label in COUNTERS.labels]
+    backward_gathers = {label for kind, label in kinds if kind == "all_gather"}
+    assert backward_gathers == (groups - {"(root)"} if reshard_after_forward else set())
+    assert sorted(label for kind, label in kinds if kind == "reduce_scatter") == sorted(groups)
+    assert all(w.untyped_storage().nbytes() == 0 for w in seen.values())
+    for module in [*model.blocks, model]:
+        handle = fully_shard.state(module).handle
+        assert handle.unsharded_storage_size() == 0, module
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_collective_schedule_and_no_unsharded_storage_left(reshard_after_forward: bool) -> None:
+    run_on_ranks(2, _schedule_and_memory, reshard_after_forward)

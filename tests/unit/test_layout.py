@@ -145,6 +145,34 @@ def test_dim0_layout_splits_like_torch_chunk(num_shards: int) -> None:
         torch.testing.assert_close(view, param, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 4])
+def test_dim0_copy_out_and_copy_in_invert_each_other(num_shards: int) -> None:
+    """``Dim0Unsharded`` copies each parameter out of the gathered buffer (what the unsharded
+    views give), and its autograd node copies gradients back into the buffer's layout, with
+    zeros in the padding and for a parameter that got no gradient."""
+    from fullshard._engine.dim0_unsharded import Dim0Unsharded
+    from fullshard._engine.layout import make_dim0_layout
+
+    shapes = [torch.Size([5, 2]), torch.Size([4]), torch.Size([1, 4])]
+    layout = make_dim0_layout(["a", "b", "c"], shapes, [True] * 3, num_shards)
+    gathered = torch.randn(layout.padded_numel)
+    unsharded = Dim0Unsharded(layout, torch.float32, torch.device("cpu"))
+    unsharded.fill(gathered)
+    expected = layout.unsharded_views(gathered)
+    leaf = torch.zeros(layout.leaf_numel, requires_grad=True)
+    views = unsharded.views(leaf)
+    for view, value in zip(views, expected):
+        torch.testing.assert_close(view, value, rtol=0, atol=0)
+    (views[0] * expected[0]).sum().backward(inputs=[leaf], retain_graph=True)
+    assert leaf.grad is not None
+    into = torch.zeros(layout.padded_numel)
+    for param_rows, place in layout.rank_chunks(0, expected[0], into):
+        place.copy_(param_rows)
+    torch.testing.assert_close(leaf.grad, into, rtol=0, atol=0)  # a's places only
+    unsharded.free()
+    assert unsharded.nbytes() == 0 and all(v.untyped_storage().nbytes() == 0 for v in views)
+
+
 def test_dim0_layout_refuses_scalars() -> None:
     from fullshard._engine.layout import make_dim0_layout
 

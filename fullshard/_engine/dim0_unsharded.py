@@ -1,0 +1,104 @@
+"""The unsharded parameters of a unit laid out on dim 0 (FSDP2's ``fully_shard``).
+
+Under ``layout.Dim0Layout`` the all-gathered buffer holds rank after rank, each rank's
+chunk of every parameter back to back, so a parameter's rows are spread over the ranks'
+blocks and its unsharded tensor cannot be a view of the buffer. Each parameter therefore
+gets a tensor of its own (``Dim0Unsharded.tensors``), filled from the gathered buffer once
+the all-gather lands (copy-out), after which the buffer itself is freed; backward copies
+the parameters' gradients back into one flat gradient in the buffer's layout (copy-in), the
+unit's leaf's gradient that the reduce-scatter reads. This is torch's FSDP2 design too.
+
+[Note: per-parameter unsharded storage]
+Modules compute with aliases of those tensors, outputs of ``_Unflatten`` (one autograd node
+per unshard, whose input is the unit's leaf), so autograd saves the aliases for backward
+(``F.linear`` saves its weight). Resharding frees the tensors' storage (resized to 0), and
+the next unshard (the pre-backward hook's) refills the same storage: the saved aliases see
+the parameters again, as FSDP1's views of the flat buffer do. Without this, every unit's
+unsharded parameters stayed alive from its forward to its backward, in autograd's saved
+tensors: no memory saved by resharding after forward. The aliases are separate tensors (not
+``detach()`` views), so the copy-out's writes do not bump the version counter autograd
+checks for them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .layout import Dim0Layout
+
+__all__: list[str] = []
+
+
+def _alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A new tensor over ``tensor``'s storage with a version counter of its own."""
+    alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    alias.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+    return alias
+
+
+def _free(tensor: torch.Tensor) -> None:
+    tensor.untyped_storage().resize_(0)
+
+
+def _allocate(tensor: torch.Tensor) -> None:
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.untyped_storage().nbytes() != nbytes:
+        tensor.untyped_storage().resize_(nbytes)
+
+
+class Dim0Unsharded:
+    """Per parameter of one segment, its unsharded tensor (storage freed while sharded)."""
+
+    def __init__(self, layout: Dim0Layout, dtype: torch.dtype, device: torch.device) -> None:
+        self.layout = layout
+        self.tensors = [
+            torch.empty(slot.shape, dtype=dtype, device=device) for slot in layout.slots
+        ]
+        for tensor in self.tensors:
+            _free(tensor)
+
+    def fill(self, gathered: torch.Tensor) -> None:
+        """Copy each parameter out of the all-gathered buffer (copy-out)."""
+        layout = self.layout
+        with torch.no_grad():
+            for index, tensor in enumerate(self.tensors):
+                _allocate(tensor)
+                for rows, place in layout.rank_chunks(index, tensor, gathered):
+                    rows.copy_(place)
+
+    def free(self) -> None:
+        for tensor in self.tensors:
+            _free(tensor)
+
+    def nbytes(self) -> int:
+        return sum(tensor.untyped_storage().nbytes() for tensor in self.tensors)
+
+    def views(self, leaf: torch.Tensor) -> list[torch.Tensor]:
+        """The parameters as modules compute with them: aliases of ``tensors``, linked by
+        autograd to ``leaf`` (see [Note: per-parameter unsharded storage])."""
+        return list(_Unflatten.apply(leaf, self))
+
+
+class _Unflatten(torch.autograd.Function):
+    """leaf (the flat unsharded buffer) -> the unit's parameters; backward writes their
+    gradients into a flat gradient in the buffer's layout (zeros where a parameter got
+    none, and in the padding)."""
+
+    @staticmethod
+    def forward(ctx: Any, leaf: torch.Tensor, unsharded: Dim0Unsharded) -> tuple[torch.Tensor, ...]:
+        ctx.unsharded = unsharded
+        ctx.leaf_numel, ctx.dtype, ctx.device = leaf.numel(), leaf.dtype, leaf.device
+        return tuple(_alias(tensor) for tensor in unsharded.tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+        unsharded: Dim0Unsharded = ctx.unsharded
+        flat = torch.zeros(ctx.leaf_numel, dtype=ctx.dtype, device=ctx.device)
+        for index, grad in enumerate(grads):
+            if grad is None:
+                continue
+            for rows, place in unsharded.layout.rank_chunks(index, grad, flat):
+                place.copy_(rows)
+        return flat, None
