@@ -31,7 +31,7 @@ from ._engine import forward as _forward
 from ._engine.build import build_unit
 from ._engine.flat_param import HandleState
 from ._engine.optimizer_check import watch_optimizers
-from ._engine.runtime import TrainingState
+from ._engine.runtime import TrainingState, UnitRuntime
 from ._engine.settings import resolve_settings
 from ._engine.unit import Unit, unit_of, units_in
 from .api import (
@@ -376,29 +376,55 @@ class FSDPModule:
         if handle is not None:
             handle.gradient_divide_factor = float(factor)
 
-    def _not_supported(self, what: str) -> NoReturn:
-        raise NotImplementedError(
-            f"fullshard's fully_shard does not support {what} yet: its schedule (prefetching "
-            "the next unit in forward and backward, waiting for every reduction at the end of "
-            "backward) is the engine's own"
-        )
-
-    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
-        self._not_supported("set_modules_to_forward_prefetch")
-
-    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
-        self._not_supported("set_modules_to_backward_prefetch")
-
-    def set_is_last_backward(self, is_last_backward: bool) -> None:
-        self._not_supported("set_is_last_backward")
-
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        self._not_supported("set_requires_all_reduce")
+        """HSDP: False keeps each reduced gradient local to this replica's shard group
+        (summed over micro-batches, not yet in ``.grad``); the next backward with True
+        all-reduces the sum across replicas once and accumulates it into ``.grad``."""
+        for unit in self._units(recurse):
+            if unit.handle is not None:
+                unit.handle.all_reduce_replicas = requires_all_reduce
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:
-        self._not_supported("set_reshard_after_backward")
+        """False: keep the parameters unsharded after backward, so the next forward (e.g. the
+        next micro-batch of gradient accumulation) needs no all-gather. If an optimizer step
+        changes the shard meanwhile, the next forward gathers again instead of computing with
+        stale parameters."""
+        for unit in self._units(recurse):
+            unit.runtime.reshard_after_backward = reshard_after_backward
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        self._not_supported("set_unshard_in_backward")
+        """False: this module's backward does not read its parameters (an embedding: its
+        gradient needs only the indices), so the pre-backward hook gathers nothing. Wrong
+        if it does read them: they hold no storage then."""
+        self._unit.runtime.unshard_in_backward = unshard_in_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """At this module's forward, issue the all-gathers of ``modules`` too (after its own),
+        so they overlap its compute; replaces the engine's own choice of the next module."""
+        self._unit.runtime.forward_prefetch_targets = _runtimes(modules, "forward")
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """At this module's pre-backward, issue the all-gathers of ``modules`` too."""
+        self._unit.runtime.backward_prefetch_targets = _runtimes(modules, "backward")
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for torch's API. torch uses it to skip, on all but the last micro-batch's
+        backward, waiting for the last reduce-scatter on its stream; fullshard's backward
+        always ends with its gradients reduced (finalising them into ``.grad`` is part of
+        the wait), so every backward is complete and the flag changes nothing."""
+        if not isinstance(is_last_backward, bool):
+            raise TypeError(f"is_last_backward should be a bool, got {type(is_last_backward)}")
+
+
+def _runtimes(modules: list[FSDPModule], direction: str) -> list[UnitRuntime]:
+    runtimes = []
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(
+                f"set_modules_to_{direction}_prefetch takes modules fully_shard was applied "
+                f"to, got a {type(module).__qualname__}"
+            )
+        runtimes.append(module._unit.runtime)
+    return runtimes

@@ -115,6 +115,14 @@ class FlatParamHandle(OrigParamViews, GradReduction):
         self._unsafe_setattr = unsafe_setattr
         self._dtensor_params = dtensor_params  # FSDP2's DTensor parameters (dtensor_params.py)
         self.gradient_divide_factor: float | None = None  # None: the data parallel ranks
+        self.all_reduce_replicas = True
+        """Hybrid sharding: all-reduce each reduced gradient across replicas (False: keep
+        summing them locally until a reduction with True; FSDP2's ``set_requires_all_reduce``)."""
+        self._partial_replica_grad: torch.Tensor | None = None
+        """Gradients reduced in the shard group only, awaiting their all-reduce across
+        replicas (``all_reduce_replicas`` False); not in ``.grad`` yet, as in torch."""
+        self._shard_version_at_unshard = -1
+        """The shard's version counter when the unsharded parameters were last gathered."""
         self.device = device
         self._offload_params = offload_params
         self._mixed_precision = mixed_precision
@@ -350,6 +358,7 @@ class FlatParamHandle(OrigParamViews, GradReduction):
         """
         self._assert_state(HandleState.SHARDED, "unshard")
         self._write_back_orig_params()
+        self._shard_version_at_unshard = self._shard_version()
         dtype = self._dtype_for(full_precision)
         in_flight = False
         for index, segment in enumerate(self._segments):
@@ -374,6 +383,18 @@ class FlatParamHandle(OrigParamViews, GradReduction):
         if self._use_orig_params:
             self._use_sharded_params()
         self.state = HandleState.SHARDED
+
+    def _shard_version(self) -> int:
+        """Changes with every in-place update of the shard: through the flat parameter, or
+        through the original (DTensor) parameters, whose in-place ops run below autograd on
+        their local tensors and so bump only the DTensor's own counter."""
+        shards = sum(segment.flat_param._local_shard._version for segment in self._segments)
+        return shards + sum(param._version for param in self._orig_params)
+
+    def shard_changed_since_unshard(self) -> bool:
+        """Whether the shard was updated in place (an optimizer step) since the unsharded
+        parameters were gathered: kept unsharded across steps, they would be stale."""
+        return self._shard_version() != self._shard_version_at_unshard
 
     def unsharded_storage_size(self) -> int:
         """Bytes held by the unsharded buffers (0 when resharded)."""

@@ -66,6 +66,8 @@ class GradReduction:
         _keep_low_precision_grads: bool
         _has_optim_in_backward: bool
         _pending_reduction: _PendingReduction | None
+        all_reduce_replicas: bool
+        _partial_replica_grad: torch.Tensor | None
         _post_backward_hook: Callable[[], None] | None
 
         @property
@@ -139,6 +141,12 @@ class GradReduction:
         pending.work.wait()
         reduced = pending.reduced_grad
         if self.groups.replicate is not None:
+            if self._partial_replica_grad is not None:
+                reduced.add_(self._partial_replica_grad)
+                self._partial_replica_grad = None
+            if not self.all_reduce_replicas:
+                self._partial_replica_grad = reduced
+                return
             comm.all_reduce(reduced, self.groups.replicate, self.label).wait()
         if pending.postdivide > 1:
             reduced.div_(pending.postdivide)

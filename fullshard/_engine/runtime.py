@@ -224,6 +224,7 @@ class RootState:
         if (
             handle is not None
             and not target.ran_pre_backward
+            and target.unshard_in_backward
             and handle.state == HandleState.SHARDED
         ):
             handle.unshard(target.full_precision)
@@ -245,6 +246,14 @@ class RootState:
         self.end_of_backward_queued = False
 
 
+def _prefetch(units: list[UnitRuntime], full_precision: bool) -> None:
+    """Issue the all-gathers of ``units`` not yet unsharded (explicit prefetching)."""
+    for unit in units:
+        handle = unit.handle
+        if handle is not None and handle.state == HandleState.SHARDED:
+            handle.unshard(full_precision)
+
+
 class UnitRuntime:
     """Per-unit runtime state and the hooks that drive it."""
 
@@ -258,6 +267,17 @@ class UnitRuntime:
         self.handle_training_state = HandleTrainingState.IDLE
         self.sync_gradients = True
         """False inside `no_sync()`: keep accumulating unsharded gradients locally."""
+        self.reshard_after_backward = True
+        """False: keep the parameters unsharded after backward (FSDP2's
+        ``set_reshard_after_backward``; gathered again at the next forward only if an optimizer
+        step changed the shard meanwhile)."""
+        self.unshard_in_backward = True
+        """False: backward computes this unit's gradients without its parameters (FSDP2's
+        ``set_unshard_in_backward``, e.g. an embedding), so its pre-backward gathers nothing."""
+        self.forward_prefetch_targets: list[UnitRuntime] = []
+        self.backward_prefetch_targets: list[UnitRuntime] = []
+        """Units whose all-gathers this unit's pre-forward / pre-backward issues (FSDP2's
+        ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``)."""
         self.ran_pre_backward = False
         self.exposes_full_params = False
         """True inside `summon_full_params` where this rank sees the full parameters."""
@@ -347,11 +367,16 @@ class UnitRuntime:
         self.root.record_forward(self)
         if training and validation_enabled():
             self.root.exec_order.record(handle)
-        if handle.state != HandleState.SHARDED and not handle.unsharded_matches(full_precision):
-            handle.reshard()  # kept from a forward in the other precision (train <-> eval)
+        if handle.state != HandleState.SHARDED and (
+            not handle.unsharded_matches(full_precision) or handle.shard_changed_since_unshard()
+        ):
+            # Kept from a forward in the other precision (train <-> eval), or across an
+            # optimizer step (reshard_after_backward False): gather the current values.
+            handle.reshard()
         if handle.state == HandleState.SHARDED:
             handle.unshard(full_precision)
         self.root.prefetch_for_forward(self)  # issued before we block on our own all-gather
+        _prefetch(self.forward_prefetch_targets, full_precision)
         handle.wait_unshard()
         handle.use_unsharded_views()
 
@@ -441,6 +466,7 @@ class UnitRuntime:
         handle = self.handle
         if (
             handle is not None
+            and self.reshard_after_backward
             and handle.state != HandleState.SHARDED
             and self.received_installments >= self.expected_installments
             and not self.pending_input_grads
@@ -466,10 +492,14 @@ class UnitRuntime:
         if handle is None:
             return
         if handle.state == HandleState.SHARDED:
+            if not self.unshard_in_backward:
+                _prefetch(self.backward_prefetch_targets, self.full_precision)
+                return
             handle.unshard(self.full_precision)
         else:  # kept unsharded since its forward (or prefetched)
             handle.check_orig_params_kept()
         root.prefetch_for_backward(self, BackwardPrefetch.BACKWARD_PRE)  # before we block
+        _prefetch(self.backward_prefetch_targets, self.full_precision)
         handle.wait_unshard()
         handle.use_unsharded_views()
 
@@ -498,8 +528,11 @@ class UnitRuntime:
                 # Gradients accumulated under no_sync() that this pass did not touch.
                 handle.reduce_grad()
                 handle.finalize_grad()
-            if handle.state != HandleState.SHARDED:
+            if handle.state != HandleState.SHARDED and self.reshard_after_backward:
                 handle.reshard()
+            elif handle.state != HandleState.SHARDED:
+                handle.wait_unshard()
+                handle.register_orig_params()  # kept for the next forward
         self.ran_pre_backward = False
         self.expected_installments = 0
         self.received_installments = 0

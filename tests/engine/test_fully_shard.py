@@ -291,8 +291,8 @@ def _misuse() -> None:
         optim.step()
     with pytest.raises(NotImplementedError, match="resharding to a smaller group"):
         fully_shard(Net(), mesh=mesh, reshard_after_forward=2)
-    with pytest.raises(NotImplementedError, match="set_modules_to_forward_prefetch"):
-        early.set_modules_to_forward_prefetch([early.blocks[0]])
+    with pytest.raises(ValueError, match="takes modules fully_shard was applied to, got a Linear"):
+        early.set_modules_to_forward_prefetch([early.head])
 
 
 def test_misuse_is_refused_with_the_fix() -> None:
@@ -429,3 +429,144 @@ def _schedule_and_memory(reshard_after_forward: bool) -> None:
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_collective_schedule_and_no_unsharded_storage_left(reshard_after_forward: bool) -> None:
     run_on_ranks(2, _schedule_and_memory, reshard_after_forward)
+
+
+def _gathers_at(module: nn.Module, backward: bool, seen: list[int]) -> None:
+    """Record how many all-gathers were issued when ``module`` computes (its forward, or
+    its input gradients in backward)."""
+    from fullshard._comm.collectives import COUNTERS
+
+    def record(*_: Any) -> None:
+        seen.append(COUNTERS.calls["all_gather"])
+
+    if backward:
+        module.register_full_backward_hook(record)
+    else:
+        module.register_forward_pre_hook(record)
+
+
+def _explicit_prefetch() -> None:
+    """set_modules_to_forward_prefetch / _backward_prefetch issue the listed modules'
+    all-gathers from this module's pre-forward / pre-backward; gradients are unchanged."""
+    from fullshard._comm.collectives import COUNTERS
+
+    mesh = init_device_mesh("cpu", (2,))
+    counts: dict[bool, tuple[list[int], list[int]]] = {}
+    for explicit in (False, True):
+        torch.manual_seed(0)
+        model = _shard(Net(), "fullshard", mesh)
+        if explicit:
+            model.blocks[0].set_modules_to_forward_prefetch([model.blocks[1], model.blocks[2]])
+            model.blocks[2].set_modules_to_backward_prefetch([model.blocks[1], model.blocks[0]])
+        forward_seen: list[int] = []
+        backward_seen: list[int] = []
+        _gathers_at(model.blocks[0].fc1, False, forward_seen)
+        _gathers_at(model.blocks[2].fc2, True, backward_seen)
+        COUNTERS.reset()
+        _loss(model(_tokens(0)), 0).backward()
+        counts[explicit] = (forward_seen, backward_seen)
+        assert COUNTERS.calls["all_gather"] == 4 + 3  # no extra gathers either way
+    # root + blocks.0 gathered by blocks.0's forward; + blocks.1, blocks.2 when prefetched.
+    assert counts[False][0] == [2] and counts[True][0] == [4]
+    # In backward (forward's 4 done): blocks.2, plus blocks.1 (the engine's BACKWARD_PRE) or
+    # plus blocks.1 and blocks.0 (explicit).
+    assert counts[False][1] == [6] and counts[True][1] == [7]
+
+
+def test_explicit_forward_and_backward_prefetch() -> None:
+    run_on_ranks(2, _explicit_prefetch)
+
+
+def _accumulation_controls() -> None:
+    """Gradient accumulation with the parameters kept unsharded between micro-batches
+    (set_reshard_after_backward(False): no all-gather at the next forward) matches DDP; after
+    an optimizer step the kept parameters are stale, and the next forward gathers again."""
+    from fullshard._comm.collectives import COUNTERS
+
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(copy.deepcopy(model))
+    _shard(model, "fullshard", init_device_mesh("cpu", (2,)))
+    optim = torch.optim.SGD(model.parameters(), lr=0.5)
+    ddp_optim = torch.optim.SGD(ddp.parameters(), lr=0.5)
+    model.set_reshard_after_backward(False)
+    model.set_is_last_backward(False)
+    _loss(model(_tokens(0)), 0).backward()
+    with ddp.no_sync():
+        _loss(ddp(_tokens(0)), 0).backward()
+    assert isinstance(model.blocks[0].fc1.weight, DTensor)  # DTensors between steps still
+    COUNTERS.reset()
+    model.set_reshard_after_backward(True)
+    model.set_is_last_backward(True)
+    _loss(model(_tokens(1)), 1).backward()
+    _loss(ddp(_tokens(1)), 1).backward()
+    assert COUNTERS.calls["all_gather"] == 3  # backward's re-gathers only, none in forward
+    _assert_grads_equal(model, ddp)
+    model.set_reshard_after_backward(False)
+    _loss(model(_tokens(2)), 2).backward()
+    _loss(ddp(_tokens(2)), 2).backward()
+    optim.step()
+    ddp_optim.step()
+    COUNTERS.reset()
+    output = model(_tokens(3))
+    assert COUNTERS.calls["all_gather"] == 4  # the kept parameters predate the step
+    torch.testing.assert_close(output, ddp(_tokens(3)), rtol=1e-5, atol=1e-5)
+
+
+def test_reshard_after_backward_and_is_last_backward() -> None:
+    run_on_ranks(2, _accumulation_controls)
+
+
+def _unshard_in_backward() -> None:
+    """An embedding's backward needs no weights: set_unshard_in_backward(False) skips its
+    all-gather in backward, with the same gradients."""
+    from fullshard import fully_shard
+    from fullshard._comm.collectives import COUNTERS
+
+    torch.manual_seed(0)
+    model = Net()
+    model.head = nn.Linear(DIM, 11, bias=False)  # untied: the embedding is a group alone
+    ddp = DDP(copy.deepcopy(model))
+    mesh = init_device_mesh("cpu", (2,))
+    fully_shard(model.embed, mesh=mesh)
+    _shard(model, "fullshard", mesh)
+    model.embed.set_unshard_in_backward(False)
+    output = model(_tokens(0))
+    COUNTERS.reset()
+    _loss(output, 0).backward()
+    assert "embed" not in {label for kind, label in COUNTERS.labels if kind == "all_gather"}
+    _loss(ddp(_tokens(0)), 0).backward()
+    _assert_grads_equal(model, ddp)
+
+
+def test_unshard_in_backward() -> None:
+    run_on_ranks(2, _unshard_in_backward)
+
+
+def _requires_all_reduce() -> None:
+    """HSDP on 2x2: the first micro-batch's gradients stay in the shard group
+    (set_requires_all_reduce(False): no all-reduce, no .grad yet); the last one's all-reduce
+    carries both, matching DDP's accumulated gradients."""
+    from fullshard._comm.collectives import COUNTERS
+
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(copy.deepcopy(model))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    _shard(model, "fullshard", mesh)
+    model.set_requires_all_reduce(False)
+    COUNTERS.reset()
+    _loss(model(_tokens(0)), 0).backward()
+    assert COUNTERS.calls["all_reduce"] == 0
+    assert all(p.grad is None for p in model.parameters())
+    with ddp.no_sync():
+        _loss(ddp(_tokens(0)), 0).backward()
+    model.set_requires_all_reduce(True)
+    _loss(model(_tokens(1)), 1).backward()
+    _loss(ddp(_tokens(1)), 1).backward()
+    assert COUNTERS.calls["all_reduce"] == 4  # one per group, once
+    _assert_grads_equal(model, ddp)
+
+
+def test_requires_all_reduce_on_a_2x2_mesh() -> None:
+    run_on_ranks(4, _requires_all_reduce)
