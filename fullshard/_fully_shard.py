@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from ._engine import convert
 from ._engine import forward as _forward
 from ._engine.build import build_unit
 from ._engine.flat_param import HandleState
@@ -320,6 +321,16 @@ class FSDPModule:
         raise AssertionError(
             "FSDP does not support deepcopy. Please use state dict for serialization."
         )
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """``to_empty`` (materialising a model sharded on the meta device), ``.to()``,
+        ``.half()``...: convert, then give the unit a shard converted the same way and
+        re-point the DTensor parameters into it (``_engine.convert``)."""
+        unit = self._unit
+        convert.before_apply(unit)
+        result = super()._apply(fn, recurse)  # type: ignore[misc]
+        convert.after_apply(unit, fn)
+        return result
 
     @property
     def _unit(self) -> Unit:

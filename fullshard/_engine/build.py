@@ -42,12 +42,13 @@ def build_unit(
     unit = Unit(fsdp_module, module, settings, ignored_modules, ignored_params)
     managed_modules = unit.managed_modules()
     default_device = init.default_compute_device(settings.groups.shard)
-    init.materialize(
-        managed_modules,
-        ignored_params,
-        settings.param_init_fn,
-        settings.device_id or default_device,
-    )
+    if settings.dtensor_mesh is None:  # fully_shard leaves a meta model to its to_empty
+        init.materialize(
+            managed_modules,
+            ignored_params,
+            settings.param_init_fn,
+            settings.device_id or default_device,
+        )
     params, owners, fqns = _collect_unit_params(module, excluded_params | ignored_params)
     where = f"the module of type {type(module).__name__} wrapped by FSDP"
     init.check_single_device(list(zip(fqns, params)), settings.device_id, where)

@@ -150,8 +150,8 @@ class FlatSegment:
         return FlatParameter.from_shard(local_shard, full_param_padded, self.requires_grad)
 
     def _to_shard_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        if not self._offload_params:
-            return tensor
+        if not self._offload_params or tensor.is_meta:
+            return tensor  # a meta shard moves when the model is materialised (``adopt``)
         tensor = tensor.to("cpu")
         return self.pinned(tensor)
 
@@ -233,8 +233,12 @@ class FlatSegment:
 
     def check_adoptable(self, converted: torch.Tensor, label: str) -> None:
         """The flat parameter keeps its identity (optimizers hold it), so a conversion must
-        give a tensor it can take in place (``.data``), which e.g. CPU <-> meta cannot."""
-        if not torch._has_compatible_shallow_copy_type(self.flat_param, converted):
+        give a tensor it can take in place (``.data``), which e.g. CPU <-> meta cannot; a
+        shard still on the meta device (``fully_shard`` on a meta model, then ``to_empty``)
+        is swapped instead (``adopt``)."""
+        if not self.flat_param.is_meta and not torch._has_compatible_shallow_copy_type(
+            self.flat_param, converted
+        ):
             raise RuntimeError(
                 f"cannot convert FSDP unit '{label}' from {self.flat_param.device} to "
                 f"{converted.device}: its flat parameter cannot take a tensor of that type in "
@@ -247,7 +251,12 @@ class FlatSegment:
         if self._offload_params:
             local_shard = self.pinned(local_shard)
         # The one place the flat parameter changes storage: a conversion of the whole module.
-        self.flat_param.data = local_shard
+        if torch._has_compatible_shallow_copy_type(self.flat_param, local_shard):
+            self.flat_param.data = local_shard
+        else:  # materialised from meta: same object (its holders keep it), new tensor
+            requires_grad = self.flat_param.requires_grad
+            new = FlatParameter(local_shard, requires_grad=requires_grad)
+            torch.utils.swap_tensors(self.flat_param, new)
         self.flat_param._local_shard = local_shard
         for unsharded in self.buffers():
             if unsharded.hook is not None:

@@ -147,7 +147,7 @@ def compute_device(
     after ``device_id`` moved CPU states; ``default`` is :func:`default_compute_device`. With
     CUDA as the default, a CUDA ``device_id`` must be the current device, as in torch.
     """
-    if param_device is not None and param_device.type != "cpu":
+    if param_device is not None and param_device.type not in ("cpu", "meta"):
         device = param_device
     elif device_id is not None and (device_id.type != "cuda" or default.type != "cuda"):
         device = device_id

@@ -570,3 +570,33 @@ def _requires_all_reduce() -> None:
 
 def test_requires_all_reduce_on_a_2x2_mesh() -> None:
     run_on_ranks(4, _requires_all_reduce)
+
+
+def _meta_init(api: str) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """torchtitan's initialisation: build on the meta device, shard, ``to_empty``, then
+    initialise (each module's ``reset_parameters`` on the DTensor parameters)."""
+    with torch.device("meta"):
+        model = Net()
+    _shard(model, api, init_device_mesh("cpu", (2,)))
+    assert model.blocks[0].fc1.weight.is_meta  # not materialised by fully_shard
+    model.to_empty(device="cpu")
+    assert model.head.weight is model.embed.weight  # still tied
+    torch.manual_seed(0)
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    initial = {name: p.full_tensor() for name, p in model.named_parameters()}
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return initial, _steps(model, optim, range(3))
+
+
+def _meta_device_init() -> None:
+    ours, our_losses = _meta_init("fullshard")
+    theirs, their_losses = _meta_init("torch")
+    for name, value in theirs.items():
+        torch.testing.assert_close(ours[name], value, rtol=0, atol=0, msg=name)
+    assert our_losses == pytest.approx(their_losses, rel=1e-6), (our_losses, their_losses)
+
+
+def test_meta_device_init_then_to_empty_matches_torch() -> None:
+    run_on_ranks(2, _meta_device_init)
