@@ -95,11 +95,16 @@ def _originals() -> _TorchOriginals:
 
 
 def _fullshard_units(module: nn.Module, root_only: bool = False) -> list[nn.Module]:
-    return [unit.fsdp_module for unit in units_in(module, root_only)]
+    return [u.fsdp_module for u in units_in(module, root_only) if u.settings.dtensor_mesh is None]
 
 
 def _is_fullshard_unit(module: object) -> TypeGuard[nn.Module]:
-    return isinstance(module, nn.Module) and unit_of(module) is not None
+    """An FSDP1 unit. ``fully_shard`` 's are not: torch's functions handle DTensor parameters
+    natively, as they handle torch's own FSDP2 modules (which are no ``FSDP`` either)."""
+    if not isinstance(module, nn.Module):
+        return False
+    unit = unit_of(module)
+    return unit is not None and unit.settings.dtensor_mesh is None
 
 
 # -- FSDP ------------------------------------------------------------------------------------

@@ -294,6 +294,11 @@ def _check_checkpoint_resumes(path: str) -> list[float]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    from fullshard._features.dcp_state_dict import install_when_imported
+
+    # As in a process that built a FullyShardedDataParallel model: torch's state-dict look-ups
+    # are replaced, and must leave fully_shard's modules to torch.
+    install_when_imported()
     model = _shard(_tied_llama(), "fullshard")
     optim = _optimizer(model)
     _train(model, optim, range(3))
