@@ -115,14 +115,8 @@ class FlatParamHandle(OrigParamViews, GradReduction):
         self._unsafe_setattr = unsafe_setattr
         self._dtensor_params = dtensor_params  # FSDP2's DTensor parameters (dtensor_params.py)
         self.gradient_divide_factor: float | None = None  # None: the data parallel ranks
-        self.all_reduce_replicas = True
-        """Hybrid sharding: all-reduce each reduced gradient across replicas (False: keep
-        summing them locally until a reduction with True; FSDP2's ``set_requires_all_reduce``)."""
-        self._partial_replica_grad: torch.Tensor | None = None
-        """Gradients reduced in the shard group only, awaiting their all-reduce across
-        replicas (``all_reduce_replicas`` False); not in ``.grad`` yet, as in torch."""
-        self._shard_version_at_unshard = -1
-        """The shard's version counter when the unsharded parameters were last gathered."""
+        self._init_reduction_state()
+        self._shard_version_at_unshard = -1  # the shard's version when last gathered
         self.device = device
         self._offload_params = offload_params
         self._mixed_precision = mixed_precision
@@ -130,8 +124,9 @@ class FlatParamHandle(OrigParamViews, GradReduction):
         self._owners = owners
         num_shards = groups.shard_size if self.uses_sharded_strategy else 1
         shapes, trains = [p.shape for p in params], [p.requires_grad for p in params]
-        dim0 = dtensor_params is not None  # FSDP2 splits each parameter on dim 0
-        self.layout: UnitLayout = make_unit_layout(fqns, shapes, trains, num_shards, dim0)
+        self.layout: UnitLayout = make_unit_layout(  # FSDP2 splits each parameter on dim 0
+            fqns, shapes, trains, num_shards, dim0=dtensor_params is not None
+        )
         self._orig_param_dtype: torch.dtype = params[0].dtype
         self._fwd_bwd_param_dtype: torch.dtype = params[0].dtype
         self._reduce_dtype: torch.dtype = params[0].dtype
@@ -144,14 +139,13 @@ class FlatParamHandle(OrigParamViews, GradReduction):
         self.flat_param: FlatParameter = self._segments[0].flat_param
         self._post_backward_hook: Callable[[], None] | None = None
         self.state = HandleState.SHARDED
-        self._pending_reduction: _PendingReduction | None = None
         self._has_optim_in_backward = False
         """Original parameters step their own optimizers as gradients are reduced (see
         [Note: optimizer in backward]); set at lazy initialisation."""
+        # Inside summon_full_params: modules see the full parameters as Parameters; and with
+        # with_grads=True the original ``.grad`` s are full.
         self.exposes_unsharded_params = False
-        """Inside ``summon_full_params``: modules see the full parameters as Parameters."""
         self._exposes_unsharded_grads = False
-        """Inside ``summon_full_params(with_grads=True)``: original ``.grad`` s are full."""
         self._release_orig_params()
 
     # -- construction -------------------------------------------------------------------

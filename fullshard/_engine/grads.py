@@ -77,6 +77,15 @@ class GradReduction:
         def sync_orig_grads(self) -> None: ...
         def _use_sharded_grad_views(self) -> None: ...
 
+    def _init_reduction_state(self) -> None:
+        """The reduction's own state (called from ``FlatParamHandle.__init__``)."""
+        self._pending_reduction = None
+        self.all_reduce_replicas = True
+        """HSDP: all-reduce each reduced gradient across replicas. False (FSDP2's
+        ``set_requires_all_reduce``) sums them in ``_partial_replica_grad`` instead, out of
+        ``.grad`` as in torch, until a reduction with True all-reduces the sum once."""
+        self._partial_replica_grad = None
+
     def register_post_backward_hook(self, hook: Callable[[], None]) -> None:
         """Call ``hook`` each time autograd has accumulated this unit's unsharded gradient."""
         assert self._post_backward_hook is None, "the post-backward hook is registered once"
