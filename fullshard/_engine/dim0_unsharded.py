@@ -95,7 +95,9 @@ class _Unflatten(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor, None]:
         unsharded: Dim0Unsharded = ctx.unsharded
-        flat = torch.zeros(ctx.leaf_numel, dtype=ctx.dtype, device=ctx.device)
+        covered = unsharded.layout.evenly_split and all(g is not None for g in grads)
+        empty = torch.empty if covered else torch.zeros  # no padding, every place written
+        flat = empty(ctx.leaf_numel, dtype=ctx.dtype, device=ctx.device)
         for index, grad in enumerate(grads):
             if grad is None:
                 continue

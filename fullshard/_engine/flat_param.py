@@ -29,7 +29,7 @@ from .._comm.groups import ShardingGroups
 from ..api import MixedPrecision, ShardingStrategy
 from .dtensor_params import DTensorParams
 from .flat_segment import FlatParameter, FlatSegment
-from .grads import GradReduction, _PendingReduction, assign_grad
+from .grads import GradReduction, assign_grad
 from .handle_state import HandleState
 from .layout import ParamSlot, ShardPiece, UnitLayout, make_unit_layout
 from .orig_params import OrigParamViews

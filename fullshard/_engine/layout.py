@@ -155,6 +155,11 @@ class Dim0Layout(FlatLayout):
             pieces.append(ShardPiece(index, first_row * row_numel, slot.offset, rows * row_numel))
         return tuple(pieces)
 
+    @property
+    def evenly_split(self) -> bool:
+        """Every parameter's rows split evenly over the shards: the buffer has no padding."""
+        return self.padded_numel == self.numel
+
     def rank_chunks(
         self, index: int, param: torch.Tensor, flat: torch.Tensor
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -173,6 +173,24 @@ def test_dim0_copy_out_and_copy_in_invert_each_other(num_shards: int) -> None:
     assert unsharded.nbytes() == 0 and all(v.untyped_storage().nbytes() == 0 for v in views)
 
 
+def test_dim0_copy_in_of_an_evenly_split_layout_writes_every_place() -> None:
+    """With no padding and a gradient for every parameter, the flat gradient is written in
+    full (it starts uninitialised): it equals the gathered layout of the gradients."""
+    from fullshard._engine.dim0_unsharded import Dim0Unsharded
+    from fullshard._engine.layout import make_dim0_layout
+
+    shapes = [torch.Size([4, 3]), torch.Size([2])]
+    layout = make_dim0_layout(["a", "b"], shapes, [True, True], 2)
+    assert layout.evenly_split
+    gathered = torch.randn(layout.padded_numel)
+    unsharded = Dim0Unsharded(layout, torch.float32, torch.device("cpu"))
+    unsharded.fill(gathered)
+    leaf = torch.zeros(layout.leaf_numel, requires_grad=True)
+    views = unsharded.views(leaf)
+    sum((view * view.detach()).sum() for view in views).backward()  # d/dview = view
+    torch.testing.assert_close(leaf.grad, gathered, rtol=0, atol=0)
+
+
 def test_dim0_layout_refuses_scalars() -> None:
     from fullshard._engine.layout import make_dim0_layout
 
