@@ -11,7 +11,8 @@ unsharded after forward, reductions in flight) is the engine's. The module's cla
 ``FSDP<Class>``, a subclass of ``FSDPModule`` and of its own class, as in torch.
 
 Call it bottom-up: blocks first, then the root; each call manages the parameters of its
-module that no earlier call manages.
+module that no earlier call manages. A list of modules is one group (one unit): gathered
+before the first of them runs forward, resharded after the last, as in torch.
 """
 
 from __future__ import annotations
@@ -62,9 +63,13 @@ class _ShardedModule:
 
     unit: Unit
     output_dtype: torch.dtype | None
+    members: tuple[nn.Module, ...]
+    """The modules of the call (one, or a group given as a list)."""
     input_dtypes: list[torch.dtype | None] = dataclasses.field(default_factory=list)
     """Per forward in progress (a module may run inside itself), the dtype to cast outputs
     back to for classes that compute in full precision (the engine's ``before_forward``)."""
+    yet_to_run: list[nn.Module] = dataclasses.field(default_factory=list)
+    """A group in forward: its modules whose forward has not finished yet."""
 
 
 def fully_shard(
@@ -79,10 +84,12 @@ def fully_shard(
 ) -> Any:
     """Shard ``module``'s parameters (those no earlier ``fully_shard`` call on a submodule
     manages) on dim 0 over ``mesh``; see torch's ``torch.distributed.fsdp.fully_shard``."""
-    target = _single_module(module)
+    members = _modules(module)
     mesh = mesh if mesh is not None else _default_mesh()
     _check_mesh(mesh)
-    _check_not_applied(target)
+    for member in members:
+        _check_not_applied(member)
+    target = members[0] if len(members) == 1 else _Group(members)
     strategy = _strategy(reshard_after_forward, mesh)
     groups: dict[str, Any] = (
         {"device_mesh": mesh} if mesh.ndim == 2 else {"process_group": mesh.get_group(0)}
@@ -101,12 +108,24 @@ def fully_shard(
     settings = dataclasses.replace(settings, dtensor_mesh=mesh)
     _check_placements(target, shard_placement_fn, settings.ignored_params)
     watch_optimizers()
-    state = _ShardedModule(build_unit(target, target, settings, set()), mp_policy.output_dtype)
-    target.__dict__["_fullshard_state"] = state
-    target.register_forward_pre_hook(functools.partial(_pre_forward, state), with_kwargs=True)
-    target.register_forward_hook(functools.partial(_post_forward, state), with_kwargs=True)
-    target.__class__ = _fsdp_class(type(target))
+    unit = build_unit(members[0], target, settings, set(), members[1:])
+    state = _ShardedModule(unit, mp_policy.output_dtype, members)
+    for member in members:
+        member.__dict__["_fullshard_state"] = state
+        member.register_forward_pre_hook(functools.partial(_pre_forward, state), with_kwargs=True)
+        member.register_forward_hook(functools.partial(_post_forward, state), with_kwargs=True)
+        member.__class__ = _fsdp_class(type(member))
     return module
+
+
+class _Group(nn.Module):
+    """The modules of one ``fully_shard([...])`` call, as the one module the engine's unit
+    manages (outside the model's tree: the modules stay where they are)."""
+
+    def __init__(self, members: tuple[nn.Module, ...]) -> None:
+        super().__init__()
+        for index, member in enumerate(members):
+            self.add_module(str(index), member)
 
 
 def _state(module: nn.Module) -> Unit:
@@ -123,23 +142,33 @@ fully_shard.state = _state  # type: ignore[attr-defined]
 # -- checks ------------------------------------------------------------------------------
 
 
-def _single_module(module: nn.Module | list[nn.Module]) -> nn.Module:
-    if isinstance(module, list):
-        if len(module) != 1:
-            raise NotImplementedError(
-                "fullshard's fully_shard takes one module per call (a list of "
-                f"{len(module)} modules would share one parameter group); call fully_shard "
-                "on each module, or on a module that contains them"
+def _modules(module: nn.Module | list[nn.Module]) -> tuple[nn.Module, ...]:
+    members = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not members:
+        raise ValueError("fully_shard was given an empty list of modules")
+    for member in members:
+        if not isinstance(member, nn.Module):
+            raise TypeError(f"fully_shard takes an nn.Module, got {type(member).__qualname__}")
+        if isinstance(member, (nn.ModuleList, nn.ModuleDict)):
+            raise ValueError(
+                f"fully_shard does not support containers that do not implement forward: "
+                f"{type(member).__name__}; apply it to the modules it holds, or to its parent"
             )
-        module = module[0]
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__qualname__}")
-    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-        raise ValueError(
-            f"fully_shard does not support containers that do not implement forward: "
-            f"{type(module).__name__}; apply it to the modules it holds, or to its parent"
-        )
-    return module
+    if len({id(m) for m in members}) != len(members):
+        raise ValueError("fully_shard was given the same module twice in one list")
+    for member in members:
+        inside = [m for m in members if m is not member and _contains(member, m)]
+        if inside:
+            raise ValueError(
+                f"fully_shard was given a {type(member).__qualname__} and a "
+                f"{type(inside[0]).__qualname__} inside it in one list; a group's modules "
+                "must be disjoint (apply fully_shard to the inner one first)"
+            )
+    return tuple(members)
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
 
 
 def _check_not_applied(module: nn.Module) -> None:
@@ -251,14 +280,30 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device | None:
 def _pre_forward(
     state: _ShardedModule, module: nn.Module, args: Any, kwargs: Any
 ) -> tuple[Any, Any]:
-    args, kwargs, input_dtype = _forward.before_forward(state.unit, args, kwargs, module.training)
-    state.input_dtypes.append(input_dtype)
-    return args, kwargs
+    if len(state.members) > 1:
+        if state.yet_to_run:  # the group's forward began at an earlier module
+            return args, kwargs
+        state.yet_to_run = list(state.members)
+    return _enter(state, module, args, kwargs)
 
 
 def _post_forward(
     state: _ShardedModule, module: nn.Module, args: Any, kwargs: Any, output: Any
 ) -> Any:
+    if len(state.members) > 1:
+        state.yet_to_run = [m for m in state.yet_to_run if m is not module]
+        if state.yet_to_run:  # resharded after the group's last module
+            return output
+    return _exit(state, args, kwargs, output)
+
+
+def _enter(state: _ShardedModule, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    args, kwargs, input_dtype = _forward.before_forward(state.unit, args, kwargs, module.training)
+    state.input_dtypes.append(input_dtype)
+    return args, kwargs
+
+
+def _exit(state: _ShardedModule, args: Any, kwargs: Any, output: Any) -> Any:
     input_dtype = state.input_dtypes.pop()
     output = _forward.after_forward(state.unit, output, input_dtype, (args, kwargs))
     if state.output_dtype is not None:
@@ -275,8 +320,8 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     @functools.wraps(method)
     def as_forward(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = _pre_forward(state, module, args, kwargs)
-        return _post_forward(state, module, args, kwargs, method(*args, **kwargs))
+        args, kwargs = _enter(state, module, args, kwargs)
+        return _exit(state, args, kwargs, method(*args, **kwargs))
 
     setattr(module, method_name, as_forward)
 

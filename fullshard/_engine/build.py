@@ -25,9 +25,11 @@ def build_unit(
     module: nn.Module,
     settings: Settings,
     excluded_params: set[nn.Parameter],
+    members: tuple[nn.Module, ...] = (),
 ) -> Unit:
-    """A unit managing ``module``'s parameters, attached to ``fsdp_module``, leaving
-    ``excluded_params`` to an ancestor (auto-wrapping keeps shared parameters there)."""
+    """A unit managing ``module``'s parameters, attached to ``fsdp_module`` (and to
+    ``members``, see ``attach``), leaving ``excluded_params`` to an ancestor (auto-wrapping
+    keeps shared parameters there)."""
     for ignored in settings.ignored_modules:
         if unit_of(ignored) is not None:
             raise ValueError(
@@ -67,7 +69,7 @@ def build_unit(
         init.sync_module_states([p.detach() for p in params] + buffers, settings.groups)
     if params:
         unit.set_handle(_make_handle(unit, params, owners, fqns))
-    attach(unit)
+    attach(unit, members)
     return unit
 
 

@@ -27,11 +27,11 @@ __all__: list[str] = []
 
 def lazy_init(root: Unit) -> None:
     """Make ``root`` the root of every unit below it (at its first forward)."""
-    units = [
-        (clean_fqn(name), unit)
-        for name, m in root.fsdp_module.named_modules()
-        if (unit := unit_of(m)) is not None
-    ]
+    units: list[tuple[str, Unit]] = []
+    for name, m in root.fsdp_module.named_modules():
+        unit = unit_of(m)
+        if unit is not None and all(unit is not seen for _, seen in units):
+            units.append((clean_fqn(name), unit))  # a group's unit named by its first module
     check_homogeneous([unit.settings for _, unit in units])
     for fqn, unit in units:
         if unit is not root and unit.runtime.training_state != TrainingState.IDLE:

@@ -95,7 +95,7 @@ class Unit:
         def visit(module: nn.Module) -> None:
             result.append(module)
             for child in module.children():
-                if unit_of(child) is None and child not in self.ignored_modules:
+                if unit_of(child) in (None, self) and child not in self.ignored_modules:
                     visit(child)
 
         visit(self.module)
@@ -116,12 +116,13 @@ _UNITS: weakref.WeakKeyDictionary[nn.Module, weakref.ReferenceType[Unit]] = (
 """Module -> its unit. Weak both ways: the entry dies with the module or the unit."""
 
 
-def attach(unit: Unit) -> None:
-    """Register ``unit`` as the unit of ``unit.fsdp_module`` (which must keep it alive)."""
-    module = unit.fsdp_module
-    if unit_of(module) is not None:
-        raise ValueError(f"{type(module).__qualname__} already has an FSDP unit attached")
-    _UNITS[module] = weakref.ref(unit)
+def attach(unit: Unit, members: tuple[nn.Module, ...] = ()) -> None:
+    """Register ``unit`` as the unit of ``unit.fsdp_module`` (which must keep it alive), and
+    of ``members``: the other modules of a group ``fully_shard`` shards as one."""
+    for module in (unit.fsdp_module, *members):
+        if unit_of(module) is not None:
+            raise ValueError(f"{type(module).__qualname__} already has an FSDP unit attached")
+        _UNITS[module] = weakref.ref(unit)
 
 
 def unit_of(module: nn.Module) -> Unit | None:
@@ -133,7 +134,11 @@ def unit_of(module: nn.Module) -> Unit | None:
 def units_in(module: nn.Module, root_only: bool = False) -> list[Unit]:
     """Every unit attached in ``module``'s subtree (itself included), in module order; or
     only those no other unit of the subtree contains."""
-    units = [unit for m in module.modules() if (unit := unit_of(m)) is not None]
+    units: list[Unit] = []
+    for m in module.modules():  # a group's unit once, at its first module
+        unit = unit_of(m)
+        if unit is not None and all(unit is not seen for seen in units):
+            units.append(unit)
     if not root_only:
         return units
     nested = {id(m) for unit in units for m in unit.module.modules() if m is not unit.fsdp_module}

@@ -600,3 +600,54 @@ def _meta_device_init() -> None:
 
 def test_meta_device_init_then_to_empty_matches_torch() -> None:
     run_on_ranks(2, _meta_device_init)
+
+
+def _train_group(api: str) -> tuple[list[float], dict[str, torch.Tensor], list[str]]:
+    from fullshard._comm.collectives import COUNTERS
+
+    torch.manual_seed(0)
+    model = Net()
+    model.head = nn.Linear(DIM, 11, bias=False)  # untied: the group owns it
+    fully_shard: Any = _fully_shard_of(api)
+    mesh = init_device_mesh("cpu", (2,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard([model.norm, model.head], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    COUNTERS.reset()
+    losses = _steps(model, optim, range(3))
+    gathers = [label for kind, label in COUNTERS.labels if kind == "all_gather"]
+    full = {name: p.full_tensor() for name, p in model.named_parameters()}
+    return losses, full, gathers
+
+
+def _fully_shard_of(api: str) -> Any:
+    if api == "fullshard":
+        from fullshard import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard  # type: ignore[no-redef]
+    return fully_shard
+
+
+def _group_of_modules() -> None:
+    """fully_shard([norm, head]): one group, gathered once before norm's forward and
+    resharded after head's (once more in backward), trained as torch's own grouping."""
+    from fullshard import fully_shard
+
+    ours, our_params, gathers = _train_group("fullshard")
+    theirs, their_params, _ = _train_group("torch")
+    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6), (ours, theirs)
+    for name, value in their_params.items():
+        torch.testing.assert_close(our_params[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    assert gathers.count("norm") == 3 * 2  # per step: forward, backward
+    model = Net()
+    mesh = init_device_mesh("cpu", (2,))
+    fully_shard([model.norm, model.blocks[0]], mesh=mesh)
+    assert fully_shard.state(model.norm) is fully_shard.state(model.blocks[0])
+    with pytest.raises(ValueError, match="a Block and a Linear inside it in one list"):
+        fully_shard([model.blocks[1], model.blocks[1].fc1], mesh=mesh)
+
+
+def test_a_list_of_modules_is_one_group() -> None:
+    run_on_ranks(2, _group_of_modules)
