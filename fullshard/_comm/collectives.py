@@ -36,6 +36,7 @@ from torch.autograd.profiler import record_function
 
 from .. import _switches as switches
 from . import shared_memory as _shm
+from .pieces import Sink
 
 __all__: list[str] = []
 
@@ -330,10 +331,23 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def gathers_into_sink(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
+    """Whether ``all_gather_into`` over ``group`` can deliver ``tensor`` 's shards to a sink
+    (the shared-memory transport copies each peer's piece out of its cell anyway, so it can
+    copy it where the caller wants it, and ``output`` is never written). Every rank of the
+    group must ask at the same point (the transport may be set up here)."""
+    return _shm.transport_for(group, tensor, named) is not None
+
+
 def all_gather_into(
-    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, label: str
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: dist.ProcessGroup,
+    label: str,
+    sink: Sink | None = None,
 ) -> Pending:
-    """All-gather equal ``shard`` s from every rank of ``group`` into ``output`` (rank order)."""
+    """All-gather equal ``shard`` s from every rank of ``group`` into ``output`` (rank order),
+    or into ``sink`` where ``gathers_into_sink`` said so (``output`` then only gives sizes)."""
     num_ranks = dist.get_world_size(group)
     if debug_checks_enabled():
         _check_agreement("all_gather", label, output, group)
@@ -341,8 +355,9 @@ def all_gather_into(
     with record_function(f"fullshard::all_gather({label})"):
         transport = _shm.transport_for(group, output, named)
         if transport is not None:
-            issue = functools.partial(transport.all_gather, output, shard, label)
+            issue = functools.partial(transport.all_gather, output, shard, label, sink)
             return _SharedMemoryPending("all_gather", label, group, transport, issue)
+        assert sink is None, "a sink needs the shared-memory transport (gathers_into_sink)"
         if _uses_ring(group, output):
             steps = _ring_all_gather(output, shard, group, _next_tag(group))
             return _WorkPending("all_gather", label, group, steps, [_neighbours(group)[3]])

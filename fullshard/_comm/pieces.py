@@ -17,9 +17,15 @@ rank 1 ``[7, 8] + [3, 4] = [10, 12]``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-__all__ = ["AllGather", "Op", "ReduceScatter"]
+__all__ = ["AllGather", "Op", "ReduceScatter", "Sink"]
+
+Sink = Callable[[int, int, torch.Tensor], None]
+"""Where an all-gather may deliver instead of its output: ``sink(rank, start, data)``
+receives elements ``[start, start + len(data))`` of ``rank``'s shard (its own included)."""
 
 
 class Op:
@@ -57,12 +63,23 @@ class Op:
 
 class AllGather(Op):
     def __init__(
-        self, output: torch.Tensor, shard: torch.Tensor, rank: int, num_ranks: int, cell: int
+        self,
+        output: torch.Tensor,
+        shard: torch.Tensor,
+        rank: int,
+        num_ranks: int,
+        cell: int,
+        sink: Sink | None = None,
     ) -> None:
         super().__init__("all_gather", shard.numel(), shard.dtype, cell // shard.element_size())
         self.shard, self.rank, self.full_numel = shard, rank, output.numel()
-        self.chunks = output.chunk(num_ranks)  # (shard numel,) each
-        self.chunks[rank].copy_(shard)
+
+        def into_output(peer: int, start: int, data: torch.Tensor) -> None:
+            begin = peer * self.numel + start  # rank after rank, ``numel`` each
+            output[begin : begin + data.numel()].copy_(data)
+
+        self.sink: Sink = sink if sink is not None else into_output  # a sink: output unused
+        self.sink(rank, 0, shard)
 
     def post(self, piece: int, cell: torch.Tensor) -> None:
         start, end = self.bounds(piece)
@@ -72,7 +89,7 @@ class AllGather(Op):
         start, end = self.bounds(piece)
         for peer, cell in enumerate(cells):
             if peer != self.rank:
-                self.chunks[peer][start:end].copy_(cell.view(self.shard.dtype)[: end - start])
+                self.sink(peer, start, cell.view(self.shard.dtype)[: end - start])
 
 
 class ReduceScatter(Op):

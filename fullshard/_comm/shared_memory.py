@@ -76,7 +76,7 @@ import torch.distributed as dist
 
 from .. import _switches as switches
 from .constants import SHARED_MEMORY_SLOTS
-from .pieces import AllGather, Op, ReduceScatter
+from .pieces import AllGather, Op, ReduceScatter, Sink
 
 __all__: list[str] = []
 
@@ -178,8 +178,10 @@ class Transport:
 
     # -- issuing and waiting ----------------------------------------------------------------
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, label: str) -> Op:
-        op = AllGather(output, shard, self.rank, self.num_ranks, self.cell_bytes)
+    def all_gather(
+        self, output: torch.Tensor, shard: torch.Tensor, label: str, sink: Sink | None = None
+    ) -> Op:
+        op = AllGather(output, shard, self.rank, self.num_ranks, self.cell_bytes, sink)
         return self._issue(op, label)
 
     def reduce_scatter(

@@ -59,6 +59,24 @@ class Dim0Unsharded:
         for tensor in self.tensors:
             _free(tensor)
 
+    def allocate(self) -> None:
+        for tensor in self.tensors:
+            _allocate(tensor)
+
+    def receive(self, rank: int, start: int, data: torch.Tensor) -> None:
+        """Elements ``[start, start + len(data))`` of ``rank``'s shard, as the shared-memory
+        transport delivers them: each parameter's part into that rank's rows of it (the
+        padding dropped). The all-gather's sink (``collectives.gathers_into_sink``): one copy
+        instead of the gathered buffer's two (into it, then out of it)."""
+        end = start + data.numel()
+        layout = self.layout
+        for index, tensor in enumerate(self.tensors):
+            first, last = layout.rank_span(index, rank)
+            lo, hi = max(first, start), min(last, end)
+            if lo < hi:
+                at = layout.rank_row_start(index, rank) + lo - first
+                tensor.view(-1)[at : at + hi - lo].copy_(data[lo - start : hi - start])
+
     def fill(self, gathered: torch.Tensor) -> None:
         """Copy each parameter out of the all-gathered buffer (copy-out)."""
         layout = self.layout

@@ -75,6 +75,9 @@ class Unsharded:
     params: Dim0Unsharded | None = None
     """Dim-0 layouts (``fully_shard``): the parameters' own unsharded tensors, filled from
     ``padded``, which is freed once they are (see ``dim0_unsharded``)."""
+    params_gathered: bool = False
+    """The last all-gather wrote ``params`` directly (shared-memory transport): ``padded``
+    was never allocated."""
 
 
 class FlatSegment:
@@ -279,7 +282,18 @@ class FlatSegment:
             self._copy_out()
             return False
         padded = unsharded.padded
-        padded.untyped_storage().resize_(padded.numel() * padded.element_size())
+        sink = None
+        params = unsharded.params
+        if (
+            params is not None
+            and self.uses_sharded_strategy
+            and comm.gathers_into_sink(self.groups.shard, padded)
+        ):
+            params.allocate()  # each peer's rows copied straight in
+            sink = params.receive
+        if sink is None:
+            padded.untyped_storage().resize_(padded.numel() * padded.element_size())
+        unsharded.params_gathered = sink is not None
         local_shard = self.flat_param._local_shard
         source = local_shard
         if self._offload_params or local_shard.dtype != dtype:
@@ -290,7 +304,7 @@ class FlatSegment:
             self._copy_out()
             return False
         self._unshard_input = source
-        self._unshard_work = comm.all_gather_into(padded, source, self.groups.shard, label)
+        self._unshard_work = comm.all_gather_into(padded, source, self.groups.shard, label, sink)
         return True
 
     def wait_unshard(self) -> None:
@@ -304,8 +318,8 @@ class FlatSegment:
         """Dim-0 layouts: fill the parameters' own tensors from the gathered buffer, then
         free the buffer (see [Note: per-parameter unsharded storage])."""
         unsharded = self.active
-        if unsharded.params is None:
-            return
+        if unsharded.params is None or unsharded.params_gathered:
+            return  # not dim-0, or the all-gather delivered into the parameters
         unsharded.params.fill(unsharded.leaf.detach())
         if not unsharded.aliases_shard:
             unsharded.padded.untyped_storage().resize_(0)

@@ -155,6 +155,15 @@ class Dim0Layout(FlatLayout):
             pieces.append(ShardPiece(index, first_row * row_numel, slot.offset, rows * row_numel))
         return tuple(pieces)
 
+    def rank_span(self, index: int, shard_rank: int) -> tuple[int, int]:
+        """``[start, end)`` of slot ``index``'s real elements in ``shard_rank``'s shard."""
+        offset = self.slots[index].offset
+        return offset, offset + self.local_rows(index, shard_rank) * self._row_numel(index)
+
+    def rank_row_start(self, index: int, shard_rank: int) -> int:
+        """Where ``shard_rank``'s rows of slot ``index`` start in the flattened parameter."""
+        return shard_rank * self.chunk_rows[index] * self._row_numel(index)
+
     @property
     def evenly_split(self) -> bool:
         """Every parameter's rows split evenly over the shards: the buffer has no padding."""

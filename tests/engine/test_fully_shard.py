@@ -651,3 +651,35 @@ def _group_of_modules() -> None:
 
 def test_a_list_of_modules_is_one_group() -> None:
     run_on_ranks(2, _group_of_modules)
+
+
+TRANSPORTS = {
+    "shared-memory": {"FULLSHARD_SHM_CELL_MIB": str(64 / 2**20)},  # pieces straddle parameters
+    "rings": {"FULLSHARD_SHM": "0"},
+    "gloo": {"FULLSHARD_SHM": "0", "FULLSHARD_GLOO_RINGS": "0"},
+}
+
+
+def _over_transport(shared_memory: bool) -> None:
+    """Same training as torch's on every transport. The shared-memory transport copies each
+    peer's rows straight into the unsharded parameters (the gathered buffer is never
+    allocated); the others gather into the buffer and copy out of it."""
+    from fullshard import fully_shard
+
+    _compare(None, mixed=False, offload=False, hsdp=False)
+    torch.manual_seed(0)
+    model = _shard(Net(), "fullshard", init_device_mesh("cpu", (2,)))
+    seen: list[tuple[bool, int]] = []
+
+    def record(module: nn.Module, args: Any) -> None:
+        unsharded = fully_shard.state(model.blocks[1]).handle._segments[0].active
+        seen.append((unsharded.params_gathered, module.weight.untyped_storage().nbytes()))
+
+    model.blocks[1].fc1.register_forward_pre_hook(record)
+    model(_tokens(0))
+    assert seen == [(shared_memory, 25 * DIM * 4)]
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_parity_and_gathered_buffer_on_each_transport(transport: str) -> None:
+    run_on_ranks(2, _over_transport, transport == "shared-memory", env=TRANSPORTS[transport])
