@@ -70,6 +70,9 @@ class _ShardedModule:
     back to for classes that compute in full precision (the engine's ``before_forward``)."""
     yet_to_run: list[nn.Module] = dataclasses.field(default_factory=list)
     """A group in forward: its modules whose forward has not finished yet."""
+    started: list[nn.Module] = dataclasses.field(default_factory=list)
+    """A group in forward: its modules whose forward has begun (one beginning again starts
+    the group's next forward: the last one raised before the group's end)."""
 
 
 def fully_shard(
@@ -105,8 +108,8 @@ def fully_shard(
             "device_id": _mesh_device(mesh),
         }
     )
-    settings = dataclasses.replace(settings, dtensor_mesh=mesh)
-    _check_placements(target, shard_placement_fn, settings.ignored_params)
+    shard_dim = _shard_dims(target, shard_placement_fn, settings.ignored_params)
+    settings = dataclasses.replace(settings, dtensor_mesh=mesh, dtensor_shard_dim=shard_dim)
     watch_optimizers()
     unit = build_unit(members[0], target, settings, set(), members[1:])
     state = _ShardedModule(unit, mp_policy.output_dtype, members)
@@ -227,23 +230,36 @@ def _strategy(reshard_after_forward: bool | int | None, mesh: DeviceMesh) -> Sha
     return ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
 
 
-def _check_placements(
+def _shard_dims(
     module: nn.Module,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
     ignored: tuple[nn.Parameter, ...],
-) -> None:
+) -> Callable[[nn.Parameter], int] | None:
+    """The dim ``shard_placement_fn`` shards each parameter this call manages on (None for
+    every parameter on dim 0), checked: a ``Shard`` of one of the parameter's dims."""
     if shard_placement_fn is None:
-        return
-    ignored_ids = {id(p) for p in ignored}
+        return None
+    skipped = {id(p) for p in ignored}
+    dims: dict[int, int] = {}
     for name, param in module.named_parameters():
-        if id(param) in ignored_ids:
+        if id(param) in skipped or isinstance(param, DTensor):  # ignored, or a nested call's
             continue
         placement = shard_placement_fn(param)
-        if placement is not None and placement != Shard(0):
-            raise NotImplementedError(
-                f"shard_placement_fn returned {placement} for parameter '{name}': fullshard's "
-                "fully_shard shards every parameter on dim 0 (return None or Shard(0))"
+        if placement is None:
+            continue
+        if type(placement) is not Shard:
+            raise ValueError(
+                f"shard_placement_fn returned {placement!r} for parameter '{name}': fully_shard "
+                "shards a parameter on one dim, Shard(dim) (None: Shard(0))"
             )
+        dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
+        if not 0 <= dim < param.ndim:
+            raise ValueError(
+                f"shard_placement_fn returned Shard({placement.dim}) for parameter '{name}' of "
+                f"shape {tuple(param.shape)}, which has no such dim"
+            )
+        dims[id(param)] = dim
+    return lambda param: dims.get(id(param), 0)
 
 
 def _mixed_precision(policy: MixedPrecisionPolicy) -> MixedPrecision | None:
@@ -281,9 +297,12 @@ def _pre_forward(
     state: _ShardedModule, module: nn.Module, args: Any, kwargs: Any
 ) -> tuple[Any, Any]:
     if len(state.members) > 1:
-        if state.yet_to_run:  # the group's forward began at an earlier module
+        if state.yet_to_run and module not in state.started:
+            state.started.append(module)  # the group's forward began at an earlier module
             return args, kwargs
-        state.yet_to_run = list(state.members)
+        if state.yet_to_run:  # this module again before the group's end: a forward raised
+            state.input_dtypes.clear()
+        state.yet_to_run, state.started = list(state.members), [module]
     return _enter(state, module, args, kwargs)
 
 

@@ -95,7 +95,13 @@ def _make_handle(
         dtensor_params=(
             None
             if settings.dtensor_mesh is None
-            else DTensorParams(settings.dtensor_mesh, [p.shape for p in params])
+            else DTensorParams(
+                settings.dtensor_mesh,
+                [p.shape for p in params],
+                [settings.dtensor_shard_dim(p) for p in params]
+                if settings.dtensor_shard_dim is not None
+                else None,
+            )
         ),
     )
     if not settings.use_orig_params:

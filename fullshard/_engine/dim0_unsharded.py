@@ -31,10 +31,12 @@ from .layout import Dim0Layout
 __all__: list[str] = []
 
 
-def _alias(tensor: torch.Tensor) -> torch.Tensor:
-    """A new tensor over ``tensor``'s storage with a version counter of its own."""
+def _alias(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """A new tensor over ``tensor``'s storage with a version counter of its own, its dim 0
+    moved back to ``dim`` (see [Note: sharding on another dim] in dtensor_params.py)."""
+    view = tensor.movedim(0, dim) if dim else tensor
     alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-    alias.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+    alias.set_(tensor.untyped_storage(), tensor.storage_offset(), view.shape, view.stride())
     return alias
 
 
@@ -51,8 +53,16 @@ def _allocate(tensor: torch.Tensor) -> None:
 class Dim0Unsharded:
     """Per parameter of one segment, its unsharded tensor (storage freed while sharded)."""
 
-    def __init__(self, layout: Dim0Layout, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        layout: Dim0Layout,
+        dtype: torch.dtype,
+        device: torch.device,
+        dims: list[int] | None = None,
+    ) -> None:
         self.layout = layout
+        self.dims = dims if dims is not None else [0] * len(layout.slots)
+        """Per slot, the dim its parameter is sharded on: ``tensors`` hold it moved to dim 0."""
         self.tensors = [
             torch.empty(slot.shape, dtype=dtype, device=device) for slot in layout.slots
         ]
@@ -108,7 +118,7 @@ class _Unflatten(torch.autograd.Function):
     def forward(ctx: Any, leaf: torch.Tensor, unsharded: Dim0Unsharded) -> tuple[torch.Tensor, ...]:
         ctx.unsharded = unsharded
         ctx.leaf_numel, ctx.dtype, ctx.device = leaf.numel(), leaf.dtype, leaf.device
-        return tuple(_alias(tensor) for tensor in unsharded.tensors)
+        return tuple(_alias(t, dim) for t, dim in zip(unsharded.tensors, unsharded.dims))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor, None]:
@@ -119,6 +129,8 @@ class _Unflatten(torch.autograd.Function):
         for index, grad in enumerate(grads):
             if grad is None:
                 continue
+            dim = unsharded.dims[index]
+            grad = grad.movedim(dim, 0) if dim else grad
             for rows, place in unsharded.layout.rank_chunks(index, grad, flat):
                 place.copy_(rows)
         return flat, None

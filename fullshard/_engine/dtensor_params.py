@@ -22,9 +22,10 @@ from torch.distributed.tensor.placement_types import Placement
 __all__: list[str] = []
 
 
-def placements_for(mesh: DeviceMesh) -> tuple[Placement, ...]:
-    """``Shard(0)`` on a 1-D mesh; ``(Replicate(), Shard(0))`` on a 2-D (replicate, shard) one."""
-    return (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+def placements_for(mesh: DeviceMesh, dim: int = 0) -> tuple[Placement, ...]:
+    """``Shard(dim)`` on a 1-D mesh; ``(Replicate(), Shard(dim))`` on a 2-D (replicate,
+    shard) one."""
+    return (Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim))
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -32,28 +33,51 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
+# [Note: sharding on another dim]
+# ``shard_placement_fn`` may shard a parameter on a dim d other than 0 (e.g. MoE experts on
+# dim 1). The layout only splits dim 0, so such a parameter enters it moved: the unit lays
+# out ``param.movedim(d, 0)`` (``to_layout``), whose dim-0 chunks are exactly the
+# parameter's ``torch.chunk`` pieces on dim d. Its local tensor is its piece of the shard
+# viewed back (``movedim(0, d)``: a non-contiguous view, updated in place like any other),
+# and its unsharded tensor is an alias with the moved tensor's strides permuted back.
+
+
 class DTensorParams:
     """Builds and re-points a unit's DTensor parameters and gradients."""
 
-    def __init__(self, mesh: DeviceMesh, shapes: list[torch.Size]) -> None:
+    def __init__(
+        self, mesh: DeviceMesh, shapes: list[torch.Size], dims: list[int] | None = None
+    ) -> None:
         self.mesh = mesh
-        self.placements = placements_for(mesh)
+        self.dims = dims if dims is not None else [0] * len(shapes)
+        """Per parameter, the dim it is sharded on (see [Note: sharding on another dim])."""
+        self._placements = [placements_for(mesh, dim) for dim in self.dims]
         self._shapes = shapes
         self._strides = [torch.empty(shape, device="meta").stride() for shape in shapes]
         """Each parameter's contiguous stride (its DTensors' global stride)."""
 
-    def _local_shape(self, index: int, piece: torch.Tensor) -> tuple[int, ...]:
-        rest = tuple(self._shapes[index][1:])
+    def to_layout(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        """Parameter ``index`` (or its gradient) in the orientation the layout splits on dim 0."""
+        dim = self.dims[index]
+        return tensor.movedim(dim, 0) if dim else tensor
+
+    def layout_shape(self, index: int) -> torch.Size:
+        return self.to_layout(index, torch.empty(self._shapes[index], device="meta")).shape
+
+    def _local(self, index: int, piece: torch.Tensor) -> torch.Tensor:
+        """``piece`` (flat, in layout order) as parameter ``index``'s local tensor."""
+        rest = tuple(self.layout_shape(index)[1:])
         row_numel = max(1, torch.Size(rest).numel())
-        return (piece.numel() // row_numel, *rest)
+        local = piece.view(piece.numel() // row_numel, *rest)
+        dim = self.dims[index]
+        return local.movedim(0, dim) if dim else local
 
     def wrap(self, index: int, piece: torch.Tensor) -> DTensor:
         """Parameter ``index``'s DTensor over ``piece`` (its chunk of a shard, flat)."""
-        local = piece.view(self._local_shape(index, piece))
         return DTensor.from_local(
-            local,
+            self._local(index, piece),
             self.mesh,
-            self.placements,
+            self._placements[index],
             run_check=False,
             shape=self._shapes[index],
             stride=self._strides[index],
@@ -66,4 +90,4 @@ class DTensorParams:
         """Make ``param``'s local tensor ``piece`` (reshaped) if it is not already."""
         local = local_tensor(param)
         if local.data_ptr() != piece.data_ptr() or local.numel() != piece.numel():
-            param._local_tensor = piece.detach().view(self._local_shape(index, piece))  # type: ignore[attr-defined]
+            param._local_tensor = self._local(index, piece.detach())  # type: ignore[attr-defined]

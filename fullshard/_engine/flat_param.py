@@ -123,7 +123,8 @@ class FlatParamHandle(OrigParamViews, GradReduction):
         self._orig_params: list[nn.Parameter] = list(params)
         self._owners = owners
         num_shards = groups.shard_size if self.uses_sharded_strategy else 1
-        shapes, trains = [p.shape for p in params], [p.requires_grad for p in params]
+        shapes = [self._in_layout(i, p).shape for i, p in enumerate(params)]
+        trains = [p.requires_grad for p in params]
         self.layout: UnitLayout = make_unit_layout(  # FSDP2 splits each parameter on dim 0
             fqns, shapes, trains, num_shards, dim0=dtensor_params is not None
         )
@@ -164,18 +165,32 @@ class FlatParamHandle(OrigParamViews, GradReduction):
         segments = []
         for index, segment_layout in enumerate(self.layout.segments):
             indices = self.layout.param_indices(index)
+            dtensors = self._dtensor_params
             segment = FlatSegment(
                 segment_layout,
                 indices,
-                [params[i] for i in indices],
+                [self._in_layout(i, params[i]) for i in indices],
                 self.groups,
                 self.uses_sharded_strategy,
                 self.device,
                 self._offload_params,
                 self._fwd_bwd_param_dtype,
+                shard_dims=None if dtensors is None else [dtensors.dims[i] for i in indices],
             )
             segments.append(segment)
         return tuple(segments)
+
+    def _in_layout(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        """Parameter ``index`` (or a tensor of its shape) as the layout splits it: moved where
+        ``fully_shard`` shards it on another dim (see [Note: sharding on another dim])."""
+        dtensors = self._dtensor_params
+        return tensor if dtensors is None else dtensors.to_layout(index, tensor)
+
+    def _from_layout(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        dtensors = self._dtensor_params
+        if dtensors is None or not dtensors.dims[index]:
+            return tensor
+        return tensor.movedim(0, dtensors.dims[index])
 
     def _set_dtypes(self, orig_dtype: torch.dtype) -> None:
         """Resolve the three dtypes of [Note: mixed precision] from the parameters' dtype."""
@@ -287,6 +302,7 @@ class FlatParamHandle(OrigParamViews, GradReduction):
         """Copy this rank's piece of parameter ``index``'s full ``value`` into its shard."""
         self._assert_state(HandleState.SHARDED, "load_full_param")
         slot = self.slot(index)
+        value = self._in_layout(index, value)
         if value.shape != slot.shape:
             raise ValueError(
                 f"cannot load '{slot.fqn}' of FSDP unit '{self.label}': the state dict has shape "
@@ -309,7 +325,7 @@ class FlatParamHandle(OrigParamViews, GradReduction):
             views.update(zip(segment.indices, segment.views_of_flat(flat)))
         if self.groups.shard_rank != 0:
             return None
-        return [views[index] for index in range(self.layout.num_params)]
+        return [self._from_layout(index, views[index]) for index in range(self.layout.num_params)]
 
     @property
     def offload_params(self) -> bool:

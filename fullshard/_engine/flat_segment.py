@@ -92,14 +92,18 @@ class FlatSegment:
         self,
         layout: FlatLayout,
         indices: list[int],
-        params: list[nn.Parameter],
+        params: list[torch.Tensor],
         groups: ShardingGroups,
         uses_sharded_strategy: bool,
         device: torch.device,
         offload_params: bool,
         compute_dtype: torch.dtype,
+        shard_dims: list[int] | None = None,
     ) -> None:
         assert len(params) == len(indices) == len(layout.slots)
+        self._shard_dims = shard_dims
+        """Dim-0 layouts: per slot, the dim its parameter is sharded on (the layout holds it
+        moved to dim 0; see [Note: sharding on another dim] in dtensor_params.py)."""
         self.layout = layout
         self.indices = indices
         self.groups = groups
@@ -132,7 +136,7 @@ class FlatSegment:
     def shard_device(self) -> torch.device:
         return torch.device("cpu") if self._offload_params else self.device
 
-    def _make_flat_param(self, params: list[nn.Parameter]) -> FlatParameter:
+    def _make_flat_param(self, params: list[torch.Tensor]) -> FlatParameter:
         layout = self.layout
         # On the parameters' device: a CPU module stays on the CPU until the user moves it to
         # the compute device (see [Note: devices] in init.py).
@@ -192,7 +196,7 @@ class FlatSegment:
         leaf.requires_grad_(self.requires_grad)
         params = None
         if isinstance(self.layout, Dim0Layout):
-            params = Dim0Unsharded(self.layout, dtype, self.device)
+            params = Dim0Unsharded(self.layout, dtype, self.device, self._shard_dims)
         unsharded = Unsharded(padded, leaf, aliases_shard, None, params)
         self._hook_leaf(unsharded)
         return unsharded

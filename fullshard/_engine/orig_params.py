@@ -127,6 +127,7 @@ class OrigParamViews:
         def slot(self, index: int) -> ParamSlot: ...
         def reshard(self) -> None: ...
         def _assert_state(self, expected: HandleState, verb: str) -> None: ...
+        def _in_layout(self, index: int, tensor: torch.Tensor) -> torch.Tensor: ...
 
     def _release_orig_params(self) -> None:
         """Hand the original parameters' storage over to the flat parameter."""
@@ -248,7 +249,7 @@ class OrigParamViews:
             local = local_tensor(param)
             if view.numel() > 0 and local.data_ptr() != view.data_ptr():
                 with torch.no_grad():
-                    view.copy_(local.detach().reshape(view.shape))
+                    view.copy_(self._in_layout(index, local.detach()).reshape(view.shape))
                 changed = True
         if changed:
             self._use_sharded_params()
@@ -364,7 +365,7 @@ class OrigParamViews:
             any_kept = True
             grad = local_tensor(grad)
             if grad.data_ptr() != view.data_ptr():
-                view.copy_(grad.reshape(view.shape))
+                view.copy_(self._in_layout(index, grad).reshape(view.shape))
         if not any_kept:
             self.flat_param.grad = None
 

@@ -58,6 +58,8 @@ class Settings:
     dtensor_mesh: DeviceMesh | None = None
     """FSDP2 (``fully_shard``): parameters split on dim 0 over this mesh, DTensors outside
     forward and backward (see dtensor_params.py); None for FSDP1's flat parameters."""
+    dtensor_shard_dim: Callable[[nn.Parameter], int] | None = None
+    """FSDP2: the dim each parameter is sharded on (``shard_placement_fn``'s; None: dim 0)."""
 
     @property
     def use_full_prec_in_eval(self) -> bool:

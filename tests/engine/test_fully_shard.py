@@ -645,8 +645,26 @@ def _group_of_modules() -> None:
     mesh = init_device_mesh("cpu", (2,))
     fully_shard([model.norm, model.blocks[0]], mesh=mesh)
     assert fully_shard.state(model.norm) is fully_shard.state(model.blocks[0])
+    with pytest.raises(RuntimeError):  # raises inside the group, between its two modules
+        model.blocks[0](torch.randn(2, DIM + 1))
+    x = torch.randn(2, DIM)  # the group's next forward gathers again
+    torch.testing.assert_close(model.norm(model.blocks[0](x)), _unsharded(model)(x))
     with pytest.raises(ValueError, match="a Block and a Linear inside it in one list"):
         fully_shard([model.blocks[1], model.blocks[1].fc1], mesh=mesh)
+
+
+def _unsharded(model: Net) -> nn.Module:
+    """blocks[0] then norm with the full parameters of ``model``."""
+    reference = nn.Sequential(Block(), nn.LayerNorm(DIM))
+    state = {
+        name: value.full_tensor()
+        for name, value in {
+            **{f"0.{k}": v for k, v in model.blocks[0].state_dict().items()},
+            **{f"1.{k}": v for k, v in model.norm.state_dict().items()},
+        }.items()
+    }
+    reference.load_state_dict(state)
+    return reference
 
 
 def test_a_list_of_modules_is_one_group() -> None:
@@ -683,3 +701,84 @@ def _over_transport(shared_memory: bool) -> None:
 @pytest.mark.parametrize("transport", list(TRANSPORTS))
 def test_parity_and_gathered_buffer_on_each_transport(transport: str) -> None:
     run_on_ranks(2, _over_transport, transport == "shared-memory", env=TRANSPORTS[transport])
+
+
+def _train_ignoring(api: str) -> tuple[list[float], torch.Tensor, tuple[bool, bool]]:
+    torch.manual_seed(0)
+    model = Net()
+    _shard(model, api, init_device_mesh("cpu", (2,)), ignored_params={model.norm.weight})
+    sharded = (isinstance(model.norm.weight, DTensor), isinstance(model.norm.bias, DTensor))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = _steps(model, optim, range(3))
+    return losses, model.norm.weight.detach().clone(), sharded
+
+
+def _ignored_params() -> None:
+    """An ignored parameter stays a plain, unsharded parameter whose gradient is this rank's
+    own (no reduction), as in torch; its module's other parameters are still sharded."""
+    ours, our_weight, our_sharded = _train_ignoring("fullshard")
+    theirs, their_weight, their_sharded = _train_ignoring("torch")
+    assert our_sharded == their_sharded == (False, True)  # weight plain, bias sharded
+    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6), (ours, theirs)
+    torch.testing.assert_close(our_weight, their_weight, rtol=1e-5, atol=1e-6)
+    weights = [torch.empty_like(our_weight) for _ in range(2)]
+    dist.all_gather(weights, our_weight)
+    assert not torch.equal(weights[0], weights[1])  # trained on each rank's own data
+
+
+def test_ignored_params_stay_local() -> None:
+    run_on_ranks(2, _ignored_params)
+
+
+def _on_dim_1(param: nn.Parameter) -> Any:
+    return Shard(1) if param.ndim == 2 else None
+
+
+def _on_even_dim_1(param: nn.Parameter) -> Any:
+    return Shard(1) if param.ndim == 2 and param.shape[1] % 2 == 0 else None
+
+
+def _train_placed(api: str, placement_fn: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = Net()
+    if api == "ddp":
+        sharded: nn.Module = DDP(model)
+    else:
+        sharded = _shard(model, api, init_device_mesh("cpu", (2,)), shard_placement_fn=placement_fn)
+    optim = torch.optim.Adam(sharded.parameters(), lr=1e-2)
+    losses = _steps(sharded, optim, range(3))
+    full = {
+        name.removeprefix("module."): (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+        for name, p in sharded.named_parameters()
+    }
+    return losses, full
+
+
+def _shard_placement() -> None:
+    """shard_placement_fn's Shard(1): each matrix's local tensor is its torch.chunk piece on
+    dim 1 (uneven included: fc2.weight's 25 columns), training as DDP does, and as torch's
+    fully_shard where torch can (it requires dim 1 to split evenly)."""
+    from fullshard import fully_shard
+
+    model = _shard(Net(), "fullshard", init_device_mesh("cpu", (2,)), shard_placement_fn=_on_dim_1)
+    for name, param in model.named_parameters():
+        dim = 1 if param.ndim == 2 else 0
+        assert param.placements == (Shard(dim),), name
+        expected = torch.chunk(param.full_tensor(), 2, dim=dim)[dist.get_rank()]
+        torch.testing.assert_close(param.to_local(), expected, rtol=0, atol=0, msg=name)
+    ours, our_params = _train_placed("fullshard", _on_dim_1)
+    ddp, ddp_params = _train_placed("ddp", None)
+    assert ours == pytest.approx(ddp, rel=1e-5, abs=1e-6), (ours, ddp)
+    for name, value in ddp_params.items():
+        torch.testing.assert_close(our_params[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    ours, our_params = _train_placed("fullshard", _on_even_dim_1)
+    theirs, their_params = _train_placed("torch", _on_even_dim_1)
+    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6), (ours, theirs)
+    for name, value in their_params.items():
+        torch.testing.assert_close(our_params[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    with pytest.raises(ValueError, match=r"Shard\(2\) for parameter 'fc1.weight' of shape"):
+        fully_shard(Block(), shard_placement_fn=lambda p: Shard(2))
+
+
+def test_shard_placement_fn_on_dim_1() -> None:
+    run_on_ranks(2, _shard_placement)
