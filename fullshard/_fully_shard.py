@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -93,6 +94,7 @@ def fully_shard(
     for member in members:
         _check_not_applied(member)
     target = members[0] if len(members) == 1 else _Group(members)
+    reshard_after_forward, post_forward_group = _reshard_group(reshard_after_forward, mesh)
     strategy = _strategy(reshard_after_forward, mesh)
     groups: dict[str, Any] = (
         {"device_mesh": mesh} if mesh.ndim == 2 else {"process_group": mesh.get_group(0)}
@@ -109,7 +111,12 @@ def fully_shard(
         }
     )
     shard_dim = _shard_dims(target, shard_placement_fn, settings.ignored_params)
-    settings = dataclasses.replace(settings, dtensor_mesh=mesh, dtensor_shard_dim=shard_dim)
+    settings = dataclasses.replace(
+        settings,
+        dtensor_mesh=mesh,
+        dtensor_shard_dim=shard_dim,
+        post_forward_group=post_forward_group,
+    )
     watch_optimizers()
     unit = build_unit(members[0], target, settings, set(), members[1:])
     state = _ShardedModule(unit, mp_policy.output_dtype, members)
@@ -212,15 +219,49 @@ def _check_mesh(mesh: DeviceMesh) -> None:
         )
 
 
-def _strategy(reshard_after_forward: bool | int | None, mesh: DeviceMesh) -> ShardingStrategy:
+_POST_FORWARD_MESHES: dict[tuple[int, int], DeviceMesh] = {}
+"""(mesh id, k) -> the mesh whose rows are the groups of ``k`` ranks (made once: every
+rank creates its process groups)."""
+
+
+def _reshard_group(
+    reshard_after_forward: bool | int | None, mesh: DeviceMesh
+) -> tuple[bool | None, dist.ProcessGroup | None]:
+    """``reshard_after_forward`` as a bool (None: the default), and for an int ``k``
+    strictly between 1 and the shard group's size, the group of ``k`` consecutive ranks this
+    rank keeps parameters sharded over between forward and backward, as torch's."""
+    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
+        return reshard_after_forward, None
+    if not isinstance(reshard_after_forward, int):
+        raise ValueError(
+            "reshard_after_forward should be a bool or an int representing the group size to "
+            f"reshard to, not {reshard_after_forward}"
+        )
+    shard_size = mesh.size(mesh.ndim - 1)
+    k = reshard_after_forward
+    if k < 1 or k > shard_size or shard_size % k != 0:
+        raise ValueError(
+            "If passing reshard_after_forward as an int, it should be a factor of "
+            f"{shard_size}, not {k}"
+        )
+    if k == 1:
+        warnings.warn(
+            "reshard_after_forward=1 (int) means resharding parameters to world size 1, "
+            "instead of reshard_after_forward=True (bool)",
+            stacklevel=3,
+        )
+        return False, None
+    if k == shard_size:
+        return True, None
+    key = (id(mesh), k)
+    if key not in _POST_FORWARD_MESHES:
+        _POST_FORWARD_MESHES[key] = DeviceMesh(mesh.device_type, mesh.mesh.view(-1, k))
+    return True, _POST_FORWARD_MESHES[key].get_group(1)
+
+
+def _strategy(reshard_after_forward: bool | None, mesh: DeviceMesh) -> ShardingStrategy:
     if reshard_after_forward is None:
         reshard_after_forward = True  # the root keeps its parameters anyway (the engine's)
-    if not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError(
-            f"reshard_after_forward={reshard_after_forward!r}: fullshard's fully_shard "
-            "reshards to the whole shard group (True) or not at all (False); resharding to a "
-            "smaller group is not supported"
-        )
     if mesh.ndim == 2:
         return (
             ShardingStrategy.HYBRID_SHARD

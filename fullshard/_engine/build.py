@@ -101,6 +101,7 @@ def _make_handle(
                 [settings.dtensor_shard_dim(p) for p in params]
                 if settings.dtensor_shard_dim is not None
                 else None,
+                settings.post_forward_group,
             )
         ),
     )

@@ -22,11 +22,14 @@ checks for them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from .layout import Dim0Layout
+from .._comm import collectives as comm
+from .layout import Dim0Layout, make_dim0_layout
 
 __all__: list[str] = []
 
@@ -59,15 +62,16 @@ class Dim0Unsharded:
         dtype: torch.dtype,
         device: torch.device,
         dims: list[int] | None = None,
+        tensors: list[torch.Tensor] | None = None,
     ) -> None:
         self.layout = layout
         self.dims = dims if dims is not None else [0] * len(layout.slots)
         """Per slot, the dim its parameter is sharded on: ``tensors`` hold it moved to dim 0."""
-        self.tensors = [
-            torch.empty(slot.shape, dtype=dtype, device=device) for slot in layout.slots
-        ]
-        for tensor in self.tensors:
-            _free(tensor)
+        if tensors is None:  # given: the same parameters gathered over another layout
+            tensors = [torch.empty(slot.shape, dtype=dtype, device=device) for slot in layout.slots]
+            for tensor in tensors:
+                _free(tensor)
+        self.tensors = tensors
 
     def allocate(self) -> None:
         for tensor in self.tensors:
@@ -134,3 +138,60 @@ class _Unflatten(torch.autograd.Function):
             for rows, place in unsharded.layout.rank_chunks(index, grad, flat):
                 place.copy_(rows)
         return flat, None
+
+
+class PostForwardShard:
+    """``reshard_after_forward=k`` (FSDP2): after forward a unit keeps, instead of nothing, its
+    parameters sharded over a group of ``k`` ranks (``group``: consecutive ranks of the
+    mesh), so backward's all-gather runs within that smaller group (one host's ranks, say).
+    ``layout`` is the unit's dim-0 layout over ``k`` shards; ``shard`` this rank's, in the
+    compute dtype, from its post-forward until the all-gather that consumes it."""
+
+    def __init__(self, layout: Dim0Layout, group: dist.ProcessGroup) -> None:
+        slots = layout.slots
+        self.layout = make_dim0_layout(
+            [s.fqn for s in slots],
+            [s.shape for s in slots],
+            [s.requires_grad for s in slots],
+            dist.get_world_size(group),
+        )
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.shard: torch.Tensor | None = None
+
+    def keep(self, params: Dim0Unsharded) -> None:
+        """At post-forward, before ``params`` are freed: copy this rank's chunk of each."""
+        first = params.tensors[0]
+        shard = torch.zeros(self.layout.shard_numel, dtype=first.dtype, device=first.device)
+        with torch.no_grad():
+            for piece in self.layout.shard_pieces(self.rank):
+                if piece is not None:
+                    source = params.tensors[piece.slot_index].view(-1)
+                    target = shard[piece.shard_start : piece.shard_start + piece.numel]
+                    target.copy_(source[piece.param_start : piece.param_start + piece.numel])
+        self.shard = shard
+
+    def drop(self) -> None:
+        self.shard = None
+
+    def gather(self, params: Dim0Unsharded, label: str) -> tuple[comm.Pending, Callable[[], None]]:
+        """All-gather ``shard`` over the group into ``params``; returns the collective and
+        what to run once it is done (fill the parameters, unless the transport did; free)."""
+        shard = self.shard
+        assert shard is not None
+        receiver = Dim0Unsharded(
+            self.layout, shard.dtype, shard.device, params.dims, params.tensors
+        )
+        gathered = torch.empty(self.layout.padded_numel, dtype=shard.dtype, device=shard.device)
+        params.allocate()
+        if comm.gathers_into_sink(self.group, shard):
+            _free(gathered)  # sizes only: the transport writes the parameters
+            work = comm.all_gather_into(gathered, shard, self.group, label, receiver.receive)
+            return work, self.drop
+
+        def finish() -> None:
+            receiver.fill(gathered)
+            _free(gathered)
+            self.drop()
+
+        return comm.all_gather_into(gathered, shard, self.group, label), finish

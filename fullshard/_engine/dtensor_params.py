@@ -14,6 +14,7 @@ them, as torch's FSDP2 does.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -46,9 +47,16 @@ class DTensorParams:
     """Builds and re-points a unit's DTensor parameters and gradients."""
 
     def __init__(
-        self, mesh: DeviceMesh, shapes: list[torch.Size], dims: list[int] | None = None
+        self,
+        mesh: DeviceMesh,
+        shapes: list[torch.Size],
+        dims: list[int] | None = None,
+        post_forward_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.mesh = mesh
+        self.post_forward_group = post_forward_group
+        """``reshard_after_forward=k``: the ``k`` ranks this rank keeps parameters over
+        after forward (see ``dim0_unsharded.PostForwardShard``)."""
         self.dims = dims if dims is not None else [0] * len(shapes)
         """Per parameter, the dim it is sharded on (see [Note: sharding on another dim])."""
         self._placements = [placements_for(mesh, dim) for dim in self.dims]

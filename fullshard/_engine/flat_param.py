@@ -176,6 +176,7 @@ class FlatParamHandle(OrigParamViews, GradReduction):
                 self._offload_params,
                 self._fwd_bwd_param_dtype,
                 shard_dims=None if dtensors is None else [dtensors.dims[i] for i in indices],
+                post_forward_group=None if dtensors is None else dtensors.post_forward_group,
             )
             segments.append(segment)
         return tuple(segments)
@@ -368,6 +369,9 @@ class FlatParamHandle(OrigParamViews, GradReduction):
         """
         self._assert_state(HandleState.SHARDED, "unshard")
         self._write_back_orig_params()
+        if self._shard_version() != self._shard_version_at_unshard:
+            for segment in self._segments:  # kept over k ranks, then changed: stale
+                segment.drop_post_forward()
         self._shard_version_at_unshard = self._shard_version()
         dtype = self._dtype_for(full_precision)
         in_flight = False
@@ -383,13 +387,14 @@ class FlatParamHandle(OrigParamViews, GradReduction):
             self.state = HandleState.UNSHARDED
         self._assert_state(HandleState.UNSHARDED, "wait_unshard")
 
-    def reshard(self) -> None:
-        """Free the unsharded storage and give modules back their sharded parameters."""
+    def reshard(self, after_forward: bool = False) -> None:
+        """Free the unsharded storage and give modules back their sharded parameters
+        (``after_forward``: keep them over a smaller group if ``reshard_after_forward=k``)."""
         if self.state == HandleState.UNSHARDING:
             self.wait_unshard()
         self._assert_state(HandleState.UNSHARDED, "reshard")
         for segment in self._segments:
-            segment.reshard()
+            segment.reshard(after_forward)
         if self._use_orig_params:
             self._use_sharded_params()
         self.state = HandleState.SHARDED

@@ -25,12 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .._comm import collectives as comm
 from .._comm.groups import ShardingGroups
-from .dim0_unsharded import Dim0Unsharded
+from .dim0_unsharded import Dim0Unsharded, PostForwardShard
 from .layout import Dim0Layout, FlatLayout, ShardPiece
 
 __all__ = ["FlatParameter", "FlatSegment"]
@@ -99,11 +100,17 @@ class FlatSegment:
         offload_params: bool,
         compute_dtype: torch.dtype,
         shard_dims: list[int] | None = None,
+        post_forward_group: dist.ProcessGroup | None = None,
     ) -> None:
         assert len(params) == len(indices) == len(layout.slots)
         self._shard_dims = shard_dims
         """Dim-0 layouts: per slot, the dim its parameter is sharded on (the layout holds it
         moved to dim 0; see [Note: sharding on another dim] in dtensor_params.py)."""
+        self._post_forward: PostForwardShard | None = None
+        """``reshard_after_forward=k``: the parameters kept over ``k`` ranks after forward."""
+        if post_forward_group is not None and isinstance(layout, Dim0Layout):
+            self._post_forward = PostForwardShard(layout, post_forward_group)
+        self._after_gather: Callable[[], None] | None = None
         self.layout = layout
         self.indices = indices
         self.groups = groups
@@ -285,6 +292,14 @@ class FlatSegment:
         if unsharded.aliases_shard:
             self._copy_out()
             return False
+        post_forward = self._post_forward
+        if post_forward is not None and post_forward.shard is not None:
+            if post_forward.shard.dtype == dtype and unsharded.params is not None:
+                unsharded.params_gathered = True  # over the smaller group, into the parameters
+                work, self._after_gather = post_forward.gather(unsharded.params, label)
+                self._unshard_work = work
+                return True
+            post_forward.drop()
         padded = unsharded.padded
         sink = None
         params = unsharded.params
@@ -316,6 +331,9 @@ class FlatSegment:
             self._unshard_work.wait()
             self._unshard_work = None
             self._unshard_input = None
+            if self._after_gather is not None:
+                self._after_gather()
+                self._after_gather = None
             self._copy_out()
 
     def _copy_out(self) -> None:
@@ -328,8 +346,20 @@ class FlatSegment:
         if not unsharded.aliases_shard:
             unsharded.padded.untyped_storage().resize_(0)
 
-    def reshard(self) -> None:
-        """Free the unsharded storage (the shard stays)."""
+    def drop_post_forward(self) -> None:
+        if self._post_forward is not None:
+            self._post_forward.drop()
+
+    def reshard(self, after_forward: bool = False) -> None:
+        """Free the unsharded storage (the shard stays); ``after_forward``, with
+        ``reshard_after_forward=k``, keep the parameters over ``k`` ranks first."""
+        post_forward = self._post_forward
+        if post_forward is not None:
+            active = self.active
+            if after_forward and active is self._compute and active.params is not None:
+                post_forward.keep(active.params)
+            else:
+                post_forward.drop()
         if not self.active.aliases_shard:
             self.active.padded.untyped_storage().resize_(0)
         if self.active.params is not None:

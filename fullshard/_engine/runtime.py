@@ -409,8 +409,10 @@ class UnitRuntime:
         # generate calling the module) resharded it.
         if handle is None or handle.state == HandleState.SHARDED:
             pass
-        elif not will_backward or (self.reshard_after_forward and not self.is_root):
+        elif not will_backward:
             handle.reshard()
+        elif self.reshard_after_forward and not self.is_root:
+            handle.reshard(after_forward=True)
         else:
             handle.register_orig_params()
         # From IDLE too: a unit whose forward runs again inside its own forward (recursion)

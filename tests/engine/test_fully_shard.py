@@ -289,8 +289,8 @@ def _misuse() -> None:
     _loss(early(_tokens(0)), 0).backward()
     with pytest.raises(RuntimeError, match="build it after fully_shard"):
         optim.step()
-    with pytest.raises(NotImplementedError, match="resharding to a smaller group"):
-        fully_shard(Net(), mesh=mesh, reshard_after_forward=2)
+    with pytest.raises(ValueError, match="it should be a factor of 2, not 3"):
+        fully_shard(Net(), mesh=mesh, reshard_after_forward=3)
     with pytest.raises(ValueError, match="takes modules fully_shard was applied to, got a Linear"):
         early.set_modules_to_forward_prefetch([early.head])
 
@@ -782,3 +782,48 @@ def _shard_placement() -> None:
 
 def test_shard_placement_fn_on_dim_1() -> None:
     run_on_ranks(2, _shard_placement)
+
+
+def _train_resharding_to(api: str, k: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = _shard(Net(), api, init_device_mesh("cpu", (4,)), reshard_after_forward=k)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = _steps(model, optim, range(3))
+    return losses, {name: p.full_tensor() for name, p in model.named_parameters()}
+
+
+def _backward_gathers(k: int) -> tuple[float, list[str]]:
+    """Bytes and labels of backward's all-gathers with reshard_after_forward=k on 4 ranks."""
+    from fullshard._comm.collectives import COUNTERS
+
+    torch.manual_seed(0)
+    model = _shard(Net(), "fullshard", init_device_mesh("cpu", (4,)), reshard_after_forward=k)
+    output = model(_tokens(0))
+    COUNTERS.reset()
+    _loss(output, 0).backward()
+    labels = [label for kind, label in COUNTERS.labels if kind == "all_gather"]
+    return COUNTERS.bytes_sent["all_gather"], labels
+
+
+def _reshard_to_smaller_group() -> None:
+    """reshard_after_forward=2 on 4 ranks: after forward each block keeps its parameters
+    sharded over 2 ranks, so backward's all-gather moves half the bytes of forward's
+    (each rank receives 1 of 2 shards, not 3 of 4), training as torch's does."""
+    from fullshard import fully_shard
+
+    ours, our_params = _train_resharding_to("fullshard", 2)
+    theirs, their_params = _train_resharding_to("torch", 2)
+    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6), (ours, theirs)
+    for name, value in their_params.items():
+        torch.testing.assert_close(our_params[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    full, full_labels = _backward_gathers(4)
+    smaller, smaller_labels = _backward_gathers(2)
+    assert smaller_labels == full_labels == ["blocks.2", "blocks.1", "blocks.0"]
+    assert smaller < 0.7 * full, (smaller, full)  # 1/2 of each block against 3/4, plus padding
+    with pytest.warns(UserWarning, match=r"reshard_after_forward=1 \(int\) means resharding"):
+        fully_shard(Block(), reshard_after_forward=1)
+
+
+@pytest.mark.parametrize("transport", ["shared-memory", "rings"])
+def test_reshard_after_forward_to_a_smaller_group(transport: str) -> None:
+    run_on_ranks(4, _reshard_to_smaller_group, env=TRANSPORTS[transport])
