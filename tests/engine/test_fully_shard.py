@@ -140,13 +140,22 @@ def test_parity_on_two_ranks(
     run_on_ranks(2, _compare, reshard_after_forward, mixed, offload, False)
 
 
+@pytest.mark.parametrize("reshard_after_forward", [None, True, False])
 @pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16"])
-def test_parity_on_three_ranks(mixed: bool) -> None:
-    run_on_ranks(3, _compare, None, mixed, False, False)
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_parity_on_three_ranks(
+    reshard_after_forward: bool | None, mixed: bool, offload: bool
+) -> None:
+    run_on_ranks(3, _compare, reshard_after_forward, mixed, offload, False)
 
 
-def test_parity_hsdp_on_a_2x2_mesh() -> None:
-    run_on_ranks(4, _compare, None, False, False, True)
+@pytest.mark.parametrize("reshard_after_forward", [None, True, False])
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_parity_hsdp_on_a_2x2_mesh(
+    reshard_after_forward: bool | None, mixed: bool, offload: bool
+) -> None:
+    run_on_ranks(4, _compare, reshard_after_forward, mixed, offload, True)
 
 
 def _dtensor_parameters() -> None:
