@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ._comm.collectives import CollectiveError, lost_a_peer, named
+from ._engine.unit import units_in
 from .api import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 
@@ -76,6 +77,36 @@ def _barrier() -> None:
     if dist.is_initialized():
         with named("the barrier of fullshard.checkpoint"):
             dist.barrier()
+
+
+def _uses_fully_shard(model: nn.Module) -> bool:
+    """Whether ``model`` was sharded by ``fully_shard`` (FSDP2): torch's state-dict API reads
+    and loads it natively (DTensor parameters and optimizer states under the plain model's
+    names), where a ``FullyShardedDataParallel`` model goes through FSDP1's methods."""
+    units = units_in(model)
+    fsdp2 = [unit for unit in units if unit.settings.dtensor_mesh is not None]
+    if fsdp2 and len(fsdp2) != len(units):
+        raise ValueError(
+            f"{type(model).__name__} holds both FullyShardedDataParallel and fully_shard "
+            "units; fullshard.checkpoint saves one kind per model. Shard it with one API"
+        )
+    return bool(fsdp2)
+
+
+def _states(model: nn.Module, optim: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """The model's (and optimizer's) sharded state dicts, keyed by the plain model's names."""
+    if _uses_fully_shard(model):
+        from torch.distributed.checkpoint import state_dict as torch_state_dict
+
+        state: dict[str, Any] = {"model": torch_state_dict.get_model_state_dict(model)}
+        if optim is not None:
+            state["optim"] = torch_state_dict.get_optimizer_state_dict(model, optim)
+        return state
+    with _sharded(model):
+        state = {"model": model.state_dict()}
+        if optim is not None:
+            state["optim"] = FullyShardedDataParallel.optim_state_dict(model, optim)
+    return state
 
 
 def _sharded(model: nn.Module) -> Any:
@@ -153,10 +184,7 @@ def _save(
     if dist.is_initialized():
         dist.broadcast_object_list(token, src=0)
     partial = path.parent / f".{path.name}.partial-{token[0]}"
-    with _sharded(model):
-        state: dict[str, Any] = {"model": model.state_dict()}
-        if optim is not None:
-            state["optim"] = FullyShardedDataParallel.optim_state_dict(model, optim)
+    state = _states(model, optim)
     if tensors:
         state["extra"] = tensors
     metadata = _metadata(model, optim, state, values)
@@ -240,7 +268,7 @@ def _metadata(
     state: dict[str, Any],
     values: dict[str, Any],
 ) -> dict[str, Any]:
-    units = FullyShardedDataParallel.fsdp_modules(model)
+    units = units_in(model)
     optim_states = None
     if optim is not None:
         optim_states = {fqn: sorted(s) for fqn, s in state["optim"]["state"].items()}
@@ -249,8 +277,9 @@ def _metadata(
         "version": _VERSION,
         "step": values.get("step"),
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-        "sharding_strategies": sorted({unit.sharding_strategy.name for unit in units}),
-        "use_orig_params": bool(units) and units[0]._use_orig_params,
+        "api": "fully_shard" if _uses_fully_shard(model) else "FullyShardedDataParallel",
+        "sharding_strategies": sorted({unit.settings.strategy.name for unit in units}),
+        "use_orig_params": bool(units) and units[0].settings.use_orig_params,
         "model": _describe(state["model"]),
         "optimizer": type(optim).__name__ if optim is not None else None,
         "optimizer_states": optim_states,
@@ -460,7 +489,7 @@ def _optim_template(
     if saved is None:
         raise ValueError(f"checkpoint {folder} holds no optimizer state (saved without optim)")
     _init_optim_state(optim)
-    template = FullyShardedDataParallel.optim_state_dict(model, optim)
+    template = _states(model, optim)["optim"]
     absent = [fqn for fqn in saved if fqn not in template["state"]]
     if absent:
         raise CheckpointMismatchError(
@@ -473,6 +502,26 @@ def _optim_template(
         if fqn in saved
     }
     return template
+
+
+def _load_states(
+    model: nn.Module, optim: torch.optim.Optimizer | None, state: dict[str, Any]
+) -> None:
+    """Give ``model`` and ``optim`` the state dicts DCP filled (``_states``' layout)."""
+    if _uses_fully_shard(model):
+        from torch.distributed.checkpoint import state_dict as torch_state_dict
+
+        torch_state_dict.set_model_state_dict(model, state["model"])
+        if optim is not None:
+            torch_state_dict.set_optimizer_state_dict(model, optim, state["optim"])
+        return
+    with _sharded(model):
+        model.load_state_dict(state["model"])
+        if optim is not None:
+            loadable = FullyShardedDataParallel.optim_state_dict_to_load(
+                model, optim, state["optim"]
+            )
+            optim.load_state_dict(loadable)
 
 
 def load(
@@ -492,25 +541,19 @@ def load(
     metadata = read_metadata(folder)
     if verify and metadata.get("files"):
         _verify_files(folder, metadata["files"])
-    with _sharded(model):
-        model_state = model.state_dict()
-        _check_model(folder, metadata["model"], _describe(model_state))
-        state: dict[str, Any] = {"model": model_state}
-        if optim is not None:
-            state["optim"] = _optim_template(folder, model, optim, metadata["optimizer_states"])
-        extra_tensors = {
-            name: torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
-            for name, spec in metadata["extra_tensors"].items()
-        }
-        if extra_tensors:
-            state["extra"] = extra_tensors
-        dcp.load(state, storage_reader=_SafeReader(folder), planner=_SafeLoadPlanner())
-        model.load_state_dict(state["model"])
-        if optim is not None:
-            loadable = FullyShardedDataParallel.optim_state_dict_to_load(
-                model, optim, state["optim"]
-            )
-            optim.load_state_dict(loadable)
+    model_state = _states(model, None)["model"]
+    _check_model(folder, metadata["model"], _describe(model_state))
+    state: dict[str, Any] = {"model": model_state}
+    if optim is not None:
+        state["optim"] = _optim_template(folder, model, optim, metadata["optimizer_states"])
+    extra_tensors = {
+        name: torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
+        for name, spec in metadata["extra_tensors"].items()
+    }
+    if extra_tensors:
+        state["extra"] = extra_tensors
+    dcp.load(state, storage_reader=_SafeReader(folder), planner=_SafeLoadPlanner())
+    _load_states(model, optim, state)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     if metadata["world_size"] != world_size:
         logger.info(

@@ -390,6 +390,38 @@ def test_checkpoints_interchange_with_torch_fsdp2_across_world_sizes(
     assert ours == pytest.approx(theirs, rel=1e-5), (ours, theirs)
 
 
+def _save_with_fullshard(path: str) -> dict[str, torch.Tensor]:
+    from fullshard import checkpoint
+
+    model, optim = _sharded_net("fullshard")
+    _steps(model, optim, range(3))
+    checkpoint.save(path, model, optim, step=3)
+    return _full_state(model, optim)
+
+
+def _resume_with_fullshard(path: str) -> tuple[dict[str, torch.Tensor], list[float], Any]:
+    from fullshard import checkpoint
+
+    model, optim = _sharded_net("fullshard")
+    extra = checkpoint.load(path, model, optim)
+    return _full_state(model, optim), _steps(model, optim, range(3, 7)), extra["step"]
+
+
+def test_fullshard_checkpoint_serves_fully_shard(tmp_path: Any) -> None:
+    """fullshard.checkpoint.save / load with a fully_shard model: saved on 2 ranks, loaded on
+    3 with the parameters and Adam state exact, resuming as torch's FSDP2 does from the same
+    folder (it is a DCP checkpoint under torch's state-dict names)."""
+    path = str(tmp_path / "checkpoint")
+    saved = run_on_ranks(2, _save_with_fullshard, path)[0]
+    our_state, ours, step = run_on_ranks(3, _resume_with_fullshard, path)[0]
+    their_state, theirs = run_on_ranks(3, _resume, "torch", path)[0]
+    assert step == 3
+    for name, value in saved.items():
+        torch.testing.assert_close(our_state[name], value, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(their_state[name], value, rtol=0, atol=0, msg=name)
+    assert ours == pytest.approx(theirs, rel=1e-5), (ours, theirs)
+
+
 def _schedule_and_memory(reshard_after_forward: bool) -> None:
     """One all-gather per group in forward, one per resharded group in backward, one
     reduce-scatter per group; the unsharded parameters a resharded block computed with (that
