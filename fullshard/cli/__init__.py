@@ -5,10 +5,11 @@ The command-line layer: it may import the engine, never the reverse (tests/unit/
 - `fullshard.cli.launch`: ``fullshard train`` in the calling process: validates the options,
   then starts the ranks through torch's elastic launcher.
 - `fullshard.cli.train`: one rank of ``fullshard train`` (``python -m fullshard.cli.train``),
-  with its options (`fullshard.cli.train_options`), its data (`fullshard.cli.train_data`) and
-  what it leaves in ``--out`` (`fullshard.cli.train_output`).
-- `fullshard.cli.plan`: per-rank memory and traffic from the model in `fullshard.memory`;
-  imports no torch, so it answers at once.
+  with its options (`fullshard.cli.train_options`), its model sharded through either front
+  door, ``--api fsdp1`` or ``fsdp2`` (`fullshard.cli.train_model`), its data
+  (`fullshard.cli.train_data`) and what it leaves in ``--out`` (`fullshard.cli.train_output`).
+- `fullshard.cli.plan`: per-rank memory and traffic from the model in `fullshard.memory`, of
+  a shape from `fullshard.cli.plan_shapes`; imports no torch, so it answers at once.
 - `fullshard.cli.bench`: one training step timed under local, DDP, torch's FSDP and fullshard.
 """
 

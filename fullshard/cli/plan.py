@@ -6,6 +6,11 @@ and the bytes each rank sends per step, from the analytical model in `fullshard.
 presets, a parameter count with a layer shape, or a Hugging Face style ``config.json``;
 one FSDP unit per transformer block, the embeddings, final norm and head in the root unit.
 
+``--api fsdp2`` plans ``fully_shard`` applied the same way (each block, then the root):
+``--reshard-after-forward true`` is FULL_SHARD's memory and traffic, ``false``
+SHARD_GRAD_OP's, and either with ``--shard-group-size`` (a 2-D (replicate, shard) mesh)
+HYBRID_SHARD's or _HYBRID_SHARD_ZERO2's (see [Note: FSDP2's memory in the plan]).
+
 Pure arithmetic, no torch: a 70B model on 512 GPUs is answered in well under a second.
 """
 
@@ -17,7 +22,6 @@ import math
 import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from ..memory import (
     SHARED_MEMORY_CELL_BYTES,
@@ -27,11 +31,20 @@ from ..memory import (
     estimate,
     transformer_activations,
 )
+from .plan_shapes import (
+    PRESETS,
+    ModelShape,
+    gpt_shape,
+    human_count,
+    shape_from_count,
+    shape_from_hf_config,
+)
 
 __all__ = [
     "PRESETS",
     "ModelShape",
     "PlanResult",
+    "fsdp2_strategy",
     "gpt_shape",
     "main",
     "make_plan",
@@ -39,166 +52,50 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """A decoder-only transformer, as far as memory is concerned."""
-
-    name: str
-    n_layers: int
-    d_model: int
-    ffn: int
-    vocab: int
-    n_heads: int
-    kv_heads: int
-    seq_len: int
-    """Default sequence length for activations (the context the model was built for)."""
-    gated_mlp: bool = False
-    """SwiGLU-style MLP: three ``d_model x ffn`` matrices instead of two."""
-    tied_embeddings: bool = True
-    learned_positions: bool = False
-    """A ``seq_len x d_model`` positional embedding in the root unit (GPT-2 style)."""
-    bias: bool = False
-    layer_norm: bool = False
-    """LayerNorm (weight and bias) instead of RMSNorm (weight only)."""
-    unit_numel_override: int | None = None
-    """For shapes given as a parameter count: the block size derived from it."""
-
-    @property
-    def unit_numel(self) -> int:
-        """Parameters of one transformer block (one FSDP unit)."""
-        if self.unit_numel_override is not None:
-            return self.unit_numel_override
-        d, f = self.d_model, self.ffn
-        kv_dim = d * self.kv_heads // self.n_heads
-        attention = 2 * d * d + 2 * d * kv_dim
-        mlp = (3 if self.gated_mlp else 2) * d * f
-        norms = 2 * (2 * d if self.layer_norm else d)
-        biases = (d + 2 * kv_dim + d + f + d + (f if self.gated_mlp else 0)) if self.bias else 0
-        return attention + mlp + norms + biases
-
-    @property
-    def root_numel(self) -> int:
-        """Embeddings, final norm and (untied) head: the root unit's own parameters."""
-        d = self.d_model
-        embeddings = self.vocab * d * (1 if self.tied_embeddings else 2)
-        positions = self.seq_len * d if self.learned_positions else 0
-        return embeddings + positions + (2 * d if self.layer_norm else d)
-
-    @property
-    def params(self) -> int:
-        return self.n_layers * self.unit_numel + self.root_numel
-
-
-def gpt_shape(name: str, n_layers: int, d_model: int, n_heads: int, seq_len: int) -> ModelShape:
-    """The shape of `fullshard.examples.gpt.GPT` (byte vocabulary, tied head, learned
-    positions, LayerNorm, biases, GELU MLP of 4 x ``d_model``)."""
-    return ModelShape(
-        name,
-        n_layers,
-        d_model,
-        4 * d_model,
-        256,
-        n_heads,
-        n_heads,
-        seq_len,
-        tied_embeddings=True,
-        learned_positions=True,
-        bias=True,
-        layer_norm=True,
-    )
-
-
-def _llama(name: str, n_layers: int, d_model: int, ffn: int, n_heads: int, kv: int) -> ModelShape:
-    return ModelShape(name, n_layers, d_model, ffn, 32000, n_heads, kv, 4096, True, False)
-
-
-PRESETS: dict[str, ModelShape] = {
-    # fullshard.examples.gpt.GPT shapes; `fullshard train --preset` builds these.
-    "tiny": gpt_shape("tiny", 2, 64, 4, 64),
-    "small": gpt_shape("small", 4, 128, 4, 128),
-    "medium": gpt_shape("medium", 6, 384, 6, 256),
-    "100m": gpt_shape("100m", 8, 1024, 16, 256),
-    # The benchmark's two configurations (`fullshard bench --config comm|compute`).
-    "bench-comm": gpt_shape("bench-comm", 8, 1024, 8, 64),
-    "bench-compute": gpt_shape("bench-compute", 6, 256, 8, 128),
-    # Published shapes, for planning.
-    "llama2-7b": _llama("llama2-7b", 32, 4096, 11008, 32, 32),
-    "llama2-13b": _llama("llama2-13b", 40, 5120, 13824, 40, 40),
-    "llama2-70b": _llama("llama2-70b", 80, 8192, 28672, 64, 8),
-}
-
-
-def shape_from_hf_config(path: str | Path) -> ModelShape:
-    """A `ModelShape` from a Hugging Face style ``config.json`` (Llama, Mistral, Qwen2,
-    GPT-2, GPT-NeoX, OPT and the like: the usual key spellings)."""
-    try:
-        config: dict[str, Any] = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise SystemExit(f"fullshard plan: --hf-config {path}: no such file") from None
-    except json.JSONDecodeError as error:
-        raise SystemExit(f"fullshard plan: --hf-config {path} is not JSON: {error}") from None
-
-    def pick(*keys: str, default: Any = None) -> Any:
-        for key in keys:
-            if config.get(key) is not None:
-                return config[key]
-        if default is None:
-            raise SystemExit(
-                f"fullshard plan: --hf-config {path} has none of {', '.join(keys)}; "
-                "it must describe a decoder-only transformer"
-            )
-        return default
-
-    d_model = int(pick("hidden_size", "n_embd", "d_model"))
-    n_heads = int(pick("num_attention_heads", "n_head", "num_heads"))
-    model_type = str(config.get("model_type", ""))
-    activation = str(config.get("hidden_act", config.get("activation_function", "")))
-    gpt2_like = model_type in ("gpt2", "gpt_neox", "opt", "gptj", "bloom", "falcon")
-    return ModelShape(
-        name=str(pick("_name_or_path", "model_type", default=Path(path).stem)),
-        n_layers=int(pick("num_hidden_layers", "n_layer", "num_layers")),
-        d_model=d_model,
-        ffn=int(pick("intermediate_size", "n_inner", "ffn_dim", default=4 * d_model)),
-        vocab=int(pick("vocab_size")),
-        n_heads=n_heads,
-        kv_heads=int(pick("num_key_value_heads", default=n_heads)),
-        seq_len=int(pick("max_position_embeddings", "n_positions", "n_ctx", default=2048)),
-        gated_mlp=activation in ("silu", "swiglu", "swish") or "gate" in activation,
-        tied_embeddings=bool(config.get("tie_word_embeddings", gpt2_like)),
-        learned_positions=model_type in ("gpt2", "opt"),
-        bias=bool(config.get("bias", config.get("attention_bias", gpt2_like))),
-        layer_norm=gpt2_like,
-    )
-
-
-def shape_from_count(
-    params: int, n_layers: int, d_model: int, vocab: int, ffn: int | None, seq_len: int
-) -> ModelShape:
-    """A model of ``params`` parameters in ``n_layers`` equal blocks of width ``d_model``
-    (Llama-style: untied head, gated MLP when ``ffn`` is not given)."""
-    shape = ModelShape(
-        f"{_human_count(params)} params",
-        n_layers,
-        d_model,
-        ffn or 8 * d_model // 3,
-        vocab,
-        1,
-        1,
-        seq_len,
-        gated_mlp=ffn is None,
-        tied_embeddings=False,
-    )
-    per_block = (params - shape.root_numel) // n_layers
-    if per_block <= 0:
-        raise SystemExit(
-            f"fullshard plan: --params {params} is smaller than the embeddings alone "
-            f"({shape.root_numel} = 2 x vocab {vocab} x d_model {d_model})"
-        )
-    return replace(shape, unit_numel_override=per_block)
-
-
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1, "adagrad": 1}
+_HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+_FSDP2_STRATEGIES = {
+    # (2-D mesh, reshard_after_forward) -> the FSDP1 strategy with the same memory model
+    (False, True): "FULL_SHARD",
+    (False, False): "SHARD_GRAD_OP",
+    (True, True): "HYBRID_SHARD",
+    (True, False): "_HYBRID_SHARD_ZERO2",
+}
+
+# [Note: FSDP2's memory in the plan]
+# fullshard's fully_shard runs on the FSDP1 engine with the parameters split on dim 0 instead
+# of flattened, so the same units are gathered, kept and reduced: its memory is FULL_SHARD's
+# (reshard_after_forward=True) or SHARD_GRAD_OP's (False), hybrid on a 2-D mesh. One thing
+# differs: an unsharded parameter is its own tensor. Where the transport gathers into a
+# buffer (gloo, rings; the shared-memory transport copies each peer's rows straight into the
+# parameters), the parameters are copied out of it and then it is freed, so a unit's
+# parameters exist twice for a moment. That moment stays within the peak modelled here when
+# every parameter trains: in backward it comes as a unit waits for its all-gather, with the
+# next unit's prefetch in flight and no gradient alive (three unit-sized buffers, as while a
+# gradient is computed); in forward under SHARD_GRAD_OP, the last unit's buffer beside every
+# unit's parameters is at most backward's two gradients. Measured (torch.profiler's count of
+# CPU allocations over one step of `fullshard bench --config comm`'s model, 2 ranks, on the
+# shared-memory transport and with FULLSHARD_SHM=0 alike): FSDP1 and FSDP2 both peak at
+# 347.1 MiB (FULL_SHARD) and 539.3 MiB (SHARD_GRAD_OP) per rank. The resident set of CPU
+# ranks grows more under FSDP2 (`fullshard bench --config comm`: 1008 vs 955 MiB FULL_SHARD,
+# 1256 vs 1094 MiB SHARD_GRAD_OP; the plan's 842 and 1178 MiB are then 16% and 6% under):
+# the per-parameter blocks fragment the heap, which this model does not count.
+_FSDP2_NOTES = (
+    "fully_shard runs fullshard's FSDP1 engine with parameters split on dim 0: this is the "
+    "memory model of the FSDP1 strategy named above",
+    "each unsharded parameter is its own tensor (copied out of the all-gathered buffer, which "
+    "is then freed, where the transport gathers into one): a unit's parameters exist twice "
+    "for a moment, within the peak above (allocator peaks measured equal to FSDP1's); CPU "
+    "ranks' resident set was 5% (FULL_SHARD) to 15% (SHARD_GRAD_OP) above FSDP1's in "
+    "`fullshard bench --config comm` (heap fragmentation, not modelled)",
+)
+
+
+def fsdp2_strategy(reshard_after_forward: bool, two_d_mesh: bool) -> str:
+    """The FSDP1 strategy whose memory model ``fully_shard`` follows (see [Note: FSDP2's
+    memory in the plan])."""
+    return _FSDP2_STRATEGIES[(two_d_mesh, reshard_after_forward)]
 
 
 @dataclass(frozen=True)
@@ -219,10 +116,19 @@ class PlanResult:
     """Model state kept in host memory with ``cpu_offload`` (params, grads, optimizer)."""
     comm_bytes_per_step: int
     device: str = "cuda"
+    api: str = "fsdp1"
+    """"fsdp1" (FullyShardedDataParallel) or "fsdp2" (fully_shard)."""
+    notes: tuple[str, ...] = ()
+    """What the reader should know about how these numbers were modelled."""
 
     @property
     def device_total(self) -> int:
         return self.memory.total
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """FSDP2's name for whether units free their parameters after forward."""
+        return self.strategy not in ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2")
 
 
 def make_plan(
@@ -239,8 +145,12 @@ def make_plan(
     seq_len: int | None = None,
     activation_checkpointing: bool = False,
     device: str = "cuda",
+    api: str = "fsdp1",
 ) -> PlanResult:
-    """Per-rank memory and communication of training ``shape`` (see the module docstring)."""
+    """Per-rank memory and communication of training ``shape`` (see the module docstring).
+    With ``api="fsdp2"``, ``strategy`` is the one `fsdp2_strategy` names."""
+    if api == "fsdp2" and strategy not in _FSDP2_STRATEGIES.values():
+        raise ValueError(f"fully_shard has no {strategy}; see fsdp2_strategy")
     param_bytes = _DTYPE_BYTES[param_dtype]
     compute_dtype = param_dtype if mixed_precision == "none" else mixed_precision
     compute_bytes = _DTYPE_BYTES[compute_dtype]
@@ -268,7 +178,7 @@ def make_plan(
         shape,
         world_size,
         strategy,
-        group if strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2") else world_size,
+        group if strategy in _HYBRID else world_size,
         param_dtype,
         compute_dtype,
         cpu_offload,
@@ -278,6 +188,8 @@ def make_plan(
         host,
         _comm_bytes(shape, world_size, strategy, compute_bytes, group),
         device,
+        api,
+        _FSDP2_NOTES if api == "fsdp2" else (),
     )
 
 
@@ -315,13 +227,6 @@ def _comm_bytes(
 # -- output ---------------------------------------------------------------------------------
 
 
-def _human_count(count: float) -> str:
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if count >= size:
-            return f"{count / size:.3g}{unit}"
-    return str(int(count))
-
-
 def human_bytes(num: float) -> str:
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if num >= size:
@@ -338,18 +243,40 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * 1024**power)
 
 
+def _setup_line(plan: PlanResult) -> str:
+    """The sharding, precision and offload, in the names of the plan's API."""
+    replicas = plan.world_size // plan.shard_group_size
+    batch = f"batch {plan.batch} x {plan.seq_len} tokens per rank"
+    if plan.api == "fsdp1":
+        hybrid = ""
+        if plan.strategy in _HYBRID:
+            hybrid = f" (shard over {plan.shard_group_size}, replicate x{replicas})"
+        return (
+            f"setup: {plan.world_size} ranks, {plan.strategy}{hybrid}, params "
+            f"{plan.param_dtype}, compute {plan.compute_dtype}, cpu offload "
+            f"{'on' if plan.cpu_offload else 'off'}, {batch}"
+        )
+    mesh = f"1-D mesh ({plan.world_size},)"
+    if plan.strategy in _HYBRID:
+        mesh = f"2-D mesh (replicate {replicas}, shard {plan.shard_group_size})"
+    policy = "MixedPrecisionPolicy()"
+    if plan.compute_dtype != plan.param_dtype:
+        policy = f"MixedPrecisionPolicy(param_dtype={plan.compute_dtype})"
+    offload = "CPUOffloadPolicy()" if plan.cpu_offload else "OffloadPolicy()"
+    return (
+        f"setup: {plan.world_size} ranks, fully_shard(reshard_after_forward="
+        f"{plan.reshard_after_forward}) on a {mesh} (the {plan.strategy} memory model), "
+        f"params {plan.param_dtype}, mp_policy={policy}, offload_policy={offload}, {batch}"
+    )
+
+
 def format_plan(plan: PlanResult, device_memory: int | None = None) -> str:
     shape, memory = plan.shape, plan.memory
-    hybrid = ""
-    if plan.strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
-        hybrid = f" (shard over {plan.shard_group_size}, replicate x{plan.world_size // plan.shard_group_size})"
     lines = [
-        f"model: {shape.name}: {_human_count(shape.params)} parameters, {shape.n_layers} blocks "
-        f"of {_human_count(shape.unit_numel)} (one FSDP unit each), root unit "
-        f"{_human_count(shape.root_numel)}",
-        f"setup: {plan.world_size} ranks, {plan.strategy}{hybrid}, params {plan.param_dtype}, "
-        f"compute {plan.compute_dtype}, cpu offload {'on' if plan.cpu_offload else 'off'}, "
-        f"batch {plan.batch} x {plan.seq_len} tokens per rank",
+        f"model: {shape.name}: {human_count(shape.params)} parameters, {shape.n_layers} blocks "
+        f"of {human_count(shape.unit_numel)} (one FSDP unit each), root unit "
+        f"{human_count(shape.root_numel)}",
+        _setup_line(plan),
         "",
         "| per rank | bytes |",
         "|---|---|",
@@ -377,7 +304,15 @@ def format_plan(plan: PlanResult, device_memory: int | None = None) -> str:
             f"{verdict} in {human_bytes(device_memory)} per device "
             f"({100 * memory.total / device_memory:.0f}% used)",
         ]
+    if plan.notes:
+        lines += ["", "notes:", *(f"- {note}" for note in plan.notes)]
     return "\n".join(lines)
+
+
+def _sharding_label(plan: PlanResult) -> str:
+    if plan.api == "fsdp1":
+        return plan.strategy
+    return f"fully_shard(reshard_after_forward={plan.reshard_after_forward})"
 
 
 def _plot(plan_at: dict[int, PlanResult], path: str, device_memory: int | None) -> None:
@@ -408,7 +343,7 @@ def _plot(plan_at: dict[int, PlanResult], path: str, device_memory: int | None) 
     ax.set_xlabel("ranks")
     ax.set_ylabel("GiB per rank")
     ax.set_title(
-        f"{last.shape.name}: {last.strategy}, compute {last.compute_dtype}, "
+        f"{last.shape.name}: {_sharding_label(last)}, compute {last.compute_dtype}, "
         f"batch {last.batch}x{last.seq_len}"
     )
     ax.legend(fontsize=8)
@@ -427,21 +362,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--vocab", type=int, default=32000, help="with --params (default 32000)")
     setup = parser.add_argument_group("setup")
     setup.add_argument("--world-size", type=int, default=8, help="ranks (default 8)")
-    setup.add_argument("--strategy", choices=STRATEGIES, default="FULL_SHARD")
+    setup.add_argument(
+        "--api",
+        choices=["fsdp1", "fsdp2"],
+        default="fsdp1",
+        help="fsdp1: FullyShardedDataParallel with --strategy (default); fsdp2: fully_shard "
+        "with --reshard-after-forward",
+    )
+    setup.add_argument(
+        "--strategy", choices=STRATEGIES, default=None, help="fsdp1 (default FULL_SHARD)"
+    )
+    setup.add_argument(
+        "--reshard-after-forward",
+        choices=["true", "false"],
+        default=None,
+        help="fsdp2 (default true): true plans as FULL_SHARD, false as SHARD_GRAD_OP",
+    )
     setup.add_argument(
         "--shard-group-size",
         type=int,
-        help="hybrid strategies: ranks a unit is sharded over (default: all)",
+        help="ranks a unit is sharded over (default: all): fsdp1's hybrid strategies; with "
+        "fsdp2, a 2-D (replicate, shard) mesh (HSDP)",
     )
     setup.add_argument("--param-dtype", choices=sorted(_DTYPE_BYTES), default="fp32")
     setup.add_argument(
         "--mixed-precision",
         choices=["none", "bf16", "fp16"],
         default="none",
-        help="compute and communication dtype (MixedPrecision.param_dtype)",
+        help="compute and communication dtype (MixedPrecision.param_dtype; fsdp2: "
+        "MixedPrecisionPolicy.param_dtype)",
     )
     setup.add_argument("--optimizer", choices=sorted(_OPTIMIZER_STATES), default="adam")
-    setup.add_argument("--cpu-offload", action="store_true", help="CPUOffload(offload_params=True)")
+    setup.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="CPUOffload(offload_params=True); fsdp2: CPUOffloadPolicy()",
+    )
     setup.add_argument("--batch", type=int, default=1, help="sequences per rank (default 1)")
     setup.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
     setup.add_argument("--activation-checkpointing", action="store_true")
@@ -472,13 +428,34 @@ def _shape(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelSh
     )
 
 
+def _strategy(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    """The memory model's strategy: ``--strategy`` (fsdp1), or the one ``fully_shard``'s
+    options amount to (fsdp2)."""
+    if args.api == "fsdp1":
+        if args.reshard_after_forward is not None:
+            parser.error(
+                "--reshard-after-forward is fully_shard's option: add --api fsdp2, or with "
+                "--api fsdp1 use --strategy FULL_SHARD (true) or SHARD_GRAD_OP (false)"
+            )
+        return str(args.strategy or "FULL_SHARD")
+    if args.strategy is not None:
+        parser.error(
+            f"--strategy {args.strategy} is FullyShardedDataParallel's option; with --api fsdp2 "
+            "use --reshard-after-forward true (FULL_SHARD) or false (SHARD_GRAD_OP), and "
+            "--shard-group-size for a 2-D (replicate, shard) mesh (HYBRID_SHARD)"
+        )
+    reshard = args.reshard_after_forward != "false"
+    return fsdp2_strategy(reshard, two_d_mesh=args.shard_group_size is not None)
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     shape = _shape(args, parser)
     for name in ("world_size", "batch", "seq_len", "shard_group_size", "layers", "d_model"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
-    hybrid = args.strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+    strategy = _strategy(args, parser)
+    hybrid = strategy in _HYBRID
     if args.shard_group_size is not None and not hybrid:
         parser.error("--shard-group-size applies to HYBRID_SHARD and _HYBRID_SHARD_ZERO2 only")
     if hybrid and args.world_size % (args.shard_group_size or args.world_size):
@@ -494,7 +471,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return make_plan(
             shape,
             world_size,
-            args.strategy,
+            strategy,
             shard_group_size=group,
             param_dtype=args.param_dtype,
             mixed_precision=args.mixed_precision,
@@ -504,6 +481,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             seq_len=args.seq_len,
             activation_checkpointing=args.activation_checkpointing,
             device=args.device,
+            api=args.api,
         )
 
     plan = plan_for(args.world_size)
@@ -513,6 +491,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         record["memory"]["total"] = plan.memory.total
         record["memory"]["peak_added"] = plan.memory.peak_added
         record["shape"]["params"] = shape.params
+        record["reshard_after_forward"] = (
+            plan.reshard_after_forward if args.api == "fsdp2" else None
+        )
         Path(args.json).write_text(json.dumps(record, indent=1))
     if args.plot:
         sizes = sorted(

@@ -20,6 +20,8 @@ from ..examples.gpt import GPTConfig
 from .plan import PRESETS
 
 _STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+APIS = ("fsdp1", "fsdp2")
+"""fsdp1: ``FullyShardedDataParallel``; fsdp2: ``fully_shard`` (`fullshard.cli.train_model`)."""
 TRAIN_PRESETS = ("tiny", "small", "medium", "100m")
 """`fullshard.cli.plan.PRESETS` that are GPTs the ranks build."""
 PRECISIONS: dict[str, MixedPrecision | None] = {
@@ -46,6 +48,8 @@ class TrainConfig:
     seed: int
     sharding_strategy: str
     use_orig_params: bool
+    api: str
+    """"fsdp1" or "fsdp2" (`APIS`)."""
     device: str
     data: str | None
     eval_batches: int
@@ -101,7 +105,8 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
         "--grad-clip",
         type=float,
         default=1.0,
-        help="max grad norm for FullyShardedDataParallel.clip_grad_norm_; 0 disables",
+        help="max grad norm (fsdp1: FullyShardedDataParallel.clip_grad_norm_; fsdp2: "
+        "torch.nn.utils.clip_grad_norm_ over the DTensor parameters); 0 disables",
     )
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--eval-batches", type=int, default=4, help="held-out batches per rank")
@@ -110,9 +115,17 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_fsdp_arguments(parser: argparse.ArgumentParser) -> None:
     fsdp = parser.add_argument_group("FSDP")
     fsdp.add_argument(
+        "--api",
+        choices=APIS,
+        default="fsdp1",
+        help="fsdp1: wrap with FullyShardedDataParallel (default); fsdp2: fully_shard each "
+        "block, then the root (FULL_SHARD: reshard_after_forward=True, SHARD_GRAD_OP: False, "
+        "HYBRID_SHARD: a 2-D (replicate, shard) mesh)",
+    )
+    fsdp.add_argument(
         "--sharding-strategy", "--strategy", choices=_STRATEGIES, default="FULL_SHARD"
     )
-    fsdp.add_argument("--use-orig-params", action="store_true")
+    fsdp.add_argument("--use-orig-params", action="store_true", help="fsdp1 only")
     fsdp.add_argument(
         "--mixed-precision",
         choices=tuple(PRECISIONS),
@@ -166,6 +179,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         )
     if not args.timeout > 0:
         parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.api == "fsdp2":
+        _check_fsdp2(args, parser)
     if args.resume and args.overwrite:
         parser.error("--resume and --overwrite contradict each other; pick one")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -190,6 +205,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         seed=args.seed,
         sharding_strategy=args.sharding_strategy,
         use_orig_params=args.use_orig_params,
+        api=args.api,
         device=args.device,
         data=args.data,
         eval_batches=args.eval_batches,
@@ -200,3 +216,20 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         sample_bytes=args.sample_bytes,
         timeout_s=args.timeout,
     )
+
+
+def _check_fsdp2(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuse the FSDP1 options that mean nothing to ``fully_shard``."""
+    if args.sharding_strategy == "NO_SHARD":
+        parser.error(
+            "--sharding-strategy NO_SHARD has no --api fsdp2 equivalent: fully_shard always "
+            "shards the parameters. For replicated parameters and all-reduced gradients use "
+            "--api fsdp1 --sharding-strategy NO_SHARD; with --api fsdp2 pick FULL_SHARD, "
+            "SHARD_GRAD_OP or HYBRID_SHARD"
+        )
+    if args.use_orig_params:
+        parser.error(
+            "--use-orig-params has no --api fsdp2 meaning: fully_shard always keeps the "
+            "original parameters (as DTensors sharded on dim 0). Drop --use-orig-params, or "
+            "use --api fsdp1"
+        )

@@ -1,6 +1,7 @@
 """What a ``fullshard train`` run leaves in ``--out``: its checkpoint and its report.
 
-Checkpoints go to ``<out>/checkpoint`` through `fullshard.checkpoint` (atomic); whether a run
+Checkpoints go to ``<out>/checkpoint`` through `fullshard.checkpoint` (atomic; either
+``--api``: the same keys, so a run may resume under the other); whether a run
 may start over one is decided here, by the launcher before any rank starts and by every
 rank again (a restart after a failure resumes). The report is ``report.json`` and, with
 matplotlib, ``report.png`` (loss curve, memory per rank).
@@ -15,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from .. import checkpoint
-from ..fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 from .train_options import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def checkpoint_problem(config: TrainConfig, resuming: bool) -> str | None:
 
 
 def resume_state(
-    config: TrainConfig, model: FSDP, optimizer: torch.optim.Optimizer
+    config: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any] | None:
     """Load ``<out>/checkpoint`` into the model and optimizer when resuming; returns its
     extras (step, history), or None to start afresh."""
@@ -120,7 +121,8 @@ def write_report(config: TrainConfig, report: dict[str, Any]) -> tuple[Path, Pat
     ax_mem.set_title(report["memory_kind"])
     ax_mem.legend(fontsize=8)
     fig.suptitle(
-        f"fullshard train: {report['world_size']} ranks, {config.sharding_strategy}, "
+        f"fullshard train --api {config.api}: {report['world_size']} ranks, "
+        f"{config.sharding_strategy}, "
         f"{report['params'] / 1e6:.2f}M params"
     )
     fig.tight_layout()

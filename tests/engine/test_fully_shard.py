@@ -300,6 +300,17 @@ def _misuse() -> None:
         optim.step()
     with pytest.raises(ValueError, match="it should be a factor of 2, not 3"):
         fully_shard(Net(), mesh=mesh, reshard_after_forward=3)
+    with pytest.raises(ValueError, match=r"should be a bool or an int .* not 2\.5"):
+        fully_shard(Net(), mesh=mesh, reshard_after_forward=2.5)  # type: ignore[arg-type]
+    small = init_device_mesh("cpu", (2, 1), mesh_dim_names=("a", "b"))["b"]
+    with pytest.raises(ValueError, match="mesh spans 1 ranks but the default process group"):
+        fully_shard(Net(), mesh=small)
+    with pytest.raises(ValueError, match="got a 3-D mesh"):
+        fully_shard(Net(), mesh=init_device_mesh("cpu", (1, 1, 2)))
+    with pytest.raises(ValueError, match=r"returned Replicate\(\) for parameter 'weight'"):
+        fully_shard(nn.Linear(2, 2), mesh=mesh, shard_placement_fn=lambda p: Replicate())
+    with pytest.raises(ValueError, match="containers that do not implement forward: ModuleList"):
+        fully_shard(nn.ModuleList([nn.Linear(2, 2)]), mesh=mesh)
     with pytest.raises(ValueError, match="takes modules fully_shard was applied to, got a Linear"):
         early.set_modules_to_forward_prefetch([early.head])
 

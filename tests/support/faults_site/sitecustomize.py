@@ -29,10 +29,10 @@ if _FAULT and os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RES
     _reduce_scatter = comm.reduce_scatter_into
     _dcp_save = dcp.save
 
-    def all_gather_into(output, shard, group, label):  # type: ignore[no-untyped-def]
+    def all_gather_into(output, shard, group, label, *args, **kwargs):  # type: ignore[no-untyped-def]
         if _FAULT == "forward":
             _die_on("all_gather", label, 11 if label == "blocks.1" else -1)
-        return _all_gather(output, shard, group, label)
+        return _all_gather(output, shard, group, label, *args, **kwargs)
 
     def reduce_scatter_into(output, full, group, label, **kwargs):  # type: ignore[no-untyped-def]
         if _FAULT == "backward":

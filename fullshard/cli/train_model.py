@@ -1,0 +1,151 @@
+"""``fullshard train``'s model: the GPT, sharded through one of fullshard's two front doors.
+
+``--api fsdp1`` wraps it in `FullyShardedDataParallel` with one unit per `Block`; ``--api
+fsdp2`` applies `fully_shard` to each `Block`, then to the root (bottom-up), as torchtitan
+does. Either way every `Block` is one unit and the embeddings, the final norm and the tied
+head stay in the root unit; both run on the same engine, so a FULL_SHARD fp32 run gives the
+same losses through either door (tests/cli/test_cli.py).
+
+The FSDP options map onto FSDP2's (`fsdp2_options`):
+
+- ``--sharding-strategy FULL_SHARD``: ``reshard_after_forward=True`` on a 1-D mesh;
+  ``SHARD_GRAD_OP``: ``reshard_after_forward=False``; ``HYBRID_SHARD``: a 2-D (replicate,
+  shard) mesh (`hybrid_mesh`, as for FSDP1) with ``reshard_after_forward=True``. NO_SHARD
+  and ``--use-orig-params`` have no FSDP2 counterpart here: the options refuse them.
+- ``--mixed-precision bf16``: ``MixedPrecisionPolicy(param_dtype=bfloat16)``, whose
+  reduction dtype (None) defaults to the parameter dtype, as FSDP1's
+  ``MixedPrecision(param_dtype=bfloat16)`` does: both reduce gradients in bf16.
+- ``--cpu-offload``: ``CPUOffloadPolicy()``.
+- ``--grad-clip``: ``torch.nn.utils.clip_grad_norm_`` over the DTensor parameters (their
+  gradients are DTensors, so the norm is the whole model's), instead of FSDP1's
+  ``clip_grad_norm_`` method.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .._fully_shard import fully_shard
+from ..api import (
+    CPUOffload,
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardingStrategy,
+)
+from ..examples.gpt import GPT, Block, num_params
+from ..fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+from ..wrap import ModuleWrapPolicy
+from .train_options import PRECISIONS, TrainConfig
+
+__all__ = [
+    "POLICIES",
+    "build_model",
+    "clip_grad_norm",
+    "describe_sharding",
+    "fsdp2_options",
+    "hybrid_mesh",
+    "model_params",
+]
+
+POLICIES: dict[str, MixedPrecisionPolicy] = {
+    "none": MixedPrecisionPolicy(),
+    "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+}
+"""``--mixed-precision`` for ``fully_shard``: the same dtypes as `PRECISIONS` gives FSDP1
+(compute and reduce in bf16; the fp32 shard is the master copy)."""
+
+
+def hybrid_mesh(device: torch.device) -> DeviceMesh:
+    """A (replicate, shard) mesh that shards inside a node and replicates across nodes."""
+    world_size = dist.get_world_size()
+    shard_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    if world_size % shard_size != 0:
+        raise ValueError(
+            f"HYBRID_SHARD needs world size ({world_size}) divisible by the ranks per node "
+            f"({shard_size})"
+        )
+    return init_device_mesh(
+        device.type, (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard")
+    )
+
+
+def model_params(config: TrainConfig) -> int:
+    """Parameters of the plain model, counted on the meta device (nothing allocated).
+
+    Not `num_params` of the sharded model, which counts this rank's shards: half the model
+    on two FULL_SHARD ranks, or on two HYBRID_SHARD ranks of one machine."""
+    with torch.device("meta"):
+        return num_params(GPT(config.gpt()))
+
+
+def build_model(config: TrainConfig, device: torch.device) -> nn.Module:
+    """The GPT sharded with one unit per `Block` through ``config.api``; every rank builds
+    the same initial weights."""
+    torch.manual_seed(config.seed)
+    model = GPT(config.gpt())
+    if config.api == "fsdp2":
+        return _shard_fsdp2(model, config, device)
+    strategy = ShardingStrategy[config.sharding_strategy]
+    is_hybrid = strategy == ShardingStrategy.HYBRID_SHARD
+    return FSDP(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        sharding_strategy=strategy,
+        use_orig_params=config.use_orig_params,
+        mixed_precision=PRECISIONS[config.mixed_precision],
+        cpu_offload=CPUOffload(offload_params=config.cpu_offload),
+        device_id=device,
+        device_mesh=hybrid_mesh(device) if is_hybrid else None,
+    )
+
+
+def fsdp2_options(config: TrainConfig) -> dict[str, Any]:
+    """``fully_shard``'s keyword options for ``config``, but the mesh (see the module
+    docstring). Pure: no process group needed."""
+    offload: OffloadPolicy = CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy()
+    return {
+        "reshard_after_forward": config.sharding_strategy != "SHARD_GRAD_OP",
+        "mp_policy": POLICIES[config.mixed_precision],
+        "offload_policy": offload,
+    }
+
+
+def _shard_fsdp2(model: GPT, config: TrainConfig, device: torch.device) -> nn.Module:
+    if config.sharding_strategy == "HYBRID_SHARD":
+        mesh = hybrid_mesh(device)
+    else:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    options = fsdp2_options(config)
+    for block in model.blocks:  # bottom-up: each block its own unit, then the root
+        fully_shard(block, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
+    return model
+
+
+def describe_sharding(config: TrainConfig) -> str:
+    """How the model is sharded, for the log and the report."""
+    if config.api == "fsdp1":
+        return f"{config.sharding_strategy}, use_orig_params={config.use_orig_params}"
+    options = fsdp2_options(config)
+    mesh = (
+        "2-D (replicate, shard) mesh" if config.sharding_strategy == "HYBRID_SHARD" else "1-D mesh"
+    )
+    return (
+        f"{config.sharding_strategy} as fully_shard(reshard_after_forward="
+        f"{options['reshard_after_forward']}) on a {mesh}"
+    )
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> None:
+    """Scale the gradients so that the whole model's norm is at most ``max_norm``."""
+    if isinstance(model, FSDP):
+        model.clip_grad_norm_(max_norm)
+    else:  # fully_shard: DTensor gradients, whose norm torch reduces over the mesh
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)

@@ -1,0 +1,204 @@
+"""``--api fsdp2`` of ``fullshard train`` and ``fullshard plan``: the model sharded with
+``fully_shard`` (each block, then the root) instead of ``FullyShardedDataParallel``, run as
+a user would (``python -m fullshard``, 2 CPU ranks, the tiny preset)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fullshard.cli.plan import PRESETS, fsdp2_strategy, make_plan
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--sample-bytes", "16"]
+STEPS = ["--steps", "24", "--checkpoint-every", "4", "--warmup-steps", "4"]
+
+
+def _run(
+    args: list[str], timeout: float = 300, **kwargs: object
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fullshard", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO, **kwargs,
+    )  # type: ignore[call-overload]  # fmt: skip
+
+
+def _train(out: Path, *args: str, **kwargs: object) -> dict[str, object]:
+    """Train ``TINY`` with ``args`` into ``out``; returns report.json."""
+    result = _run(["train", *TINY, *args, "--out", str(out)], **kwargs)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report: dict[str, object] = json.loads((out / "report.json").read_text())
+    return report
+
+
+def _assert_same_curve(got: object, want: object) -> None:
+    assert isinstance(got, list) and isinstance(want, list) and len(got) == len(want) == 24
+    for a, b in zip(got, want):
+        assert abs(a - b) <= 1e-5 * abs(b), (got, want)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, object]]:
+    """The reports of one uninterrupted ``STEPS`` run per API (FULL_SHARD, fp32)."""
+    return {
+        api: _train(tmp_path_factory.mktemp(api), *STEPS, "--api", api)
+        for api in ("fsdp1", "fsdp2")
+    }
+
+
+def test_train_fsdp2_gives_the_fsdp1_losses_full_shard_fp32(
+    uninterrupted: dict[str, dict[str, object]],
+) -> None:
+    """FULL_SHARD in fp32 through ``fully_shard``: the 24 losses equal FullyShardedDataParallel's
+    within 1e-5 relative (same seed and batches; only gradient clipping's norm is summed in
+    another order), and the report records the API and how it sharded."""
+    fsdp1, fsdp2 = uninterrupted["fsdp1"], uninterrupted["fsdp2"]
+    _assert_same_curve(fsdp2["losses"], fsdp1["losses"])
+    assert fsdp2["api"] == "fsdp2" and fsdp1["api"] == "fsdp1"
+    assert fsdp2["sharding"] == (
+        "FULL_SHARD as fully_shard(reshard_after_forward=True) on a 1-D mesh"
+    )
+    assert fsdp2["params"] == fsdp1["params"]  # the plain model's, not rank 0's shards
+
+
+def _stop_after_checkpoint(out: Path, api: str) -> int:
+    """Start a ``STEPS`` run, SIGTERM it once a checkpoint of step 8 or later is complete;
+    returns that checkpoint's step."""
+    metadata = out / "checkpoint" / "fullshard.json"
+    run = subprocess.Popen(
+        [sys.executable, "-m", "fullshard", "train", *TINY, *STEPS, "--api", api,
+         "--out", str(out)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and run.poll() is None:
+        try:
+            if json.loads(metadata.read_text())["extra"]["step"] >= 8:
+                break
+        except (OSError, json.JSONDecodeError, KeyError):
+            pass
+        time.sleep(0.1)
+    run.send_signal(signal.SIGTERM)
+    _, stderr = run.communicate(timeout=60)
+    assert run.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    step: int = json.loads(metadata.read_text())["extra"]["step"]
+    assert 8 <= step < 24
+    return step
+
+
+@pytest.mark.parametrize("first_api", ["fsdp2", "fsdp1"])
+def test_train_fsdp2_stopped_run_resumes_to_the_uninterrupted_curve(
+    first_api: str, tmp_path: Path, uninterrupted: dict[str, dict[str, object]]
+) -> None:
+    """A run stopped by SIGTERM after a checkpoint, resumed with ``--api fsdp2 --resume``,
+    ends with the uninterrupted run's 24 losses. fullshard.checkpoint saves either API's
+    model under the same keys (the plain model's FQNs), so an fsdp1 run resumes under fsdp2
+    as well."""
+    out = tmp_path / "stopped"
+    saved_step = _stop_after_checkpoint(out, first_api)
+    saved_api = json.loads((out / "checkpoint" / "fullshard.json").read_text())["api"]
+    assert saved_api == {"fsdp1": "FullyShardedDataParallel", "fsdp2": "fully_shard"}[first_api]
+    report = _train(out, *STEPS, "--api", "fsdp2", "--resume")
+    assert report["resumed_at"] == [saved_step]
+    _assert_same_curve(report["losses"], uninterrupted[first_api]["losses"])
+
+
+@pytest.mark.parametrize(
+    ("options", "sharding"),
+    [
+        (["--strategy", "SHARD_GRAD_OP"], "fully_shard(reshard_after_forward=False) on a 1-D"),
+        (
+            ["--strategy", "HYBRID_SHARD", "--mixed-precision", "bf16", "--cpu-offload"],
+            "fully_shard(reshard_after_forward=True) on a 2-D (replicate, shard) mesh",
+        ),
+    ],
+    ids=["shard_grad_op", "hybrid_bf16_offload"],
+)
+def test_train_fsdp2_maps_the_fsdp_options(
+    options: list[str], sharding: str, tmp_path: Path
+) -> None:
+    """The other strategies, bf16 (MixedPrecisionPolicy) and CPU offload (CPUOffloadPolicy)
+    train under fully_shard, and the log and report say how the options were mapped."""
+    args = ["--steps", "3", "--checkpoint-every", "0", "--api", "fsdp2", *options]
+    result = _run(["train", *TINY, *args, "--out", str(tmp_path)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"2 ranks, {options[1]} as {sharding}" in result.stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["api"] == "fsdp2" and sharding in report["sharding"]
+
+
+def test_train_fsdp2_refuses_fsdp1_only_options() -> None:
+    """NO_SHARD and --use-orig-params mean nothing to fully_shard: exit status 2 before any
+    rank starts, naming the flag and what to use instead."""
+    for args, message in [
+        (["--strategy", "NO_SHARD"], "--sharding-strategy NO_SHARD has no --api fsdp2 equivalent"),
+        (["--use-orig-params"], "--use-orig-params has no --api fsdp2 meaning"),
+    ]:  # fmt: skip
+        result = _run(["train", *TINY, "--api", "fsdp2", *args], timeout=120)
+        assert result.returncode == 2, (args, result.stderr[-2000:])
+        assert message in result.stderr and "use --api fsdp1" in result.stderr, result.stderr
+
+
+# -- plan -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("reshard", "group", "strategy"),
+    [
+        ("true", None, "FULL_SHARD"),
+        ("false", None, "SHARD_GRAD_OP"),
+        ("true", 8, "HYBRID_SHARD"),
+        ("false", 8, "_HYBRID_SHARD_ZERO2"),
+    ],
+)
+def test_plan_fsdp2_gives_the_matching_fsdp1_strategys_numbers(
+    reshard: str, group: int | None, strategy: str, tmp_path: Path
+) -> None:
+    """``--api fsdp2 --reshard-after-forward`` (and ``--shard-group-size``: a 2-D mesh) plans
+    the memory and traffic of FULL_SHARD, SHARD_GRAD_OP or their hybrid forms, names the
+    FSDP2 settings and says how FSDP2's memory was modelled."""
+    assert fsdp2_strategy(reshard == "true", two_d_mesh=group is not None) == strategy
+    grouping = [] if group is None else ["--shard-group-size", str(group)]
+    args = ["plan", "--preset", "llama2-7b", "--world-size", "32", "--mixed-precision", "bf16",
+            "--api", "fsdp2", "--reshard-after-forward", reshard, *grouping,
+            "--json", str(tmp_path / "plan.json")]  # fmt: skip
+    result = _run(args, timeout=60)
+    assert result.returncode == 0, result.stderr
+    reshard_after_forward = "True" if reshard == "true" else "False"
+    mesh = "1-D mesh (32,)" if group is None else "2-D mesh (replicate 4, shard 8)"
+    assert (
+        f"fully_shard(reshard_after_forward={reshard_after_forward}) on a {mesh} (the "
+        f"{strategy} memory model)" in result.stdout
+    )
+    assert "mp_policy=MixedPrecisionPolicy(param_dtype=bf16)" in result.stdout
+    assert "notes:\n- fully_shard runs fullshard's FSDP1 engine" in result.stdout
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    fsdp1 = make_plan(
+        PRESETS["llama2-7b"], 32, strategy, shard_group_size=group, mixed_precision="bf16"
+    )
+    assert plan["api"] == "fsdp2" and plan["strategy"] == strategy
+    assert plan["reshard_after_forward"] is (reshard == "true")
+    for part in ("params", "grads", "optimizer", "unsharded", "activations"):
+        assert plan["memory"][part] == getattr(fsdp1.memory, part), part
+    assert plan["comm_bytes_per_step"] == fsdp1.comm_bytes_per_step
+
+
+def test_plan_fsdp2_flags_are_refused_with_the_wrong_api() -> None:
+    """--reshard-after-forward is fsdp2's, --strategy fsdp1's: each with the other API is an
+    argparse error naming the flag to use."""
+    for args, message in [
+        (["--reshard-after-forward", "false"], "--reshard-after-forward is fully_shard's "
+         "option: add --api fsdp2, or with --api fsdp1 use --strategy FULL_SHARD (true) or "
+         "SHARD_GRAD_OP (false)"),
+        (["--api", "fsdp2", "--strategy", "SHARD_GRAD_OP"], "--strategy SHARD_GRAD_OP is "
+         "FullyShardedDataParallel's option; with --api fsdp2 use --reshard-after-forward"),
+    ]:  # fmt: skip
+        result = _run(["plan", "--preset", "tiny", *args], timeout=60)
+        assert result.returncode == 2, (args, result.stderr)
+        assert f"fullshard plan: error: {message}" in result.stderr, result.stderr
