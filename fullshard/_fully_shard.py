@@ -34,6 +34,7 @@ from ._engine import forward as _forward
 from ._engine.build import build_unit
 from ._engine.flat_param import HandleState
 from ._engine.optimizer_check import watch_optimizers
+from ._engine.orig_params import RELEASED
 from ._engine.runtime import TrainingState, UnitRuntime
 from ._engine.settings import resolve_settings
 from ._engine.unit import Unit, unit_of, units_in
@@ -93,23 +94,16 @@ def fully_shard(
     _check_mesh(mesh)
     for member in members:
         _check_not_applied(member)
+        _check_ties_kept(member)
     target = members[0] if len(members) == 1 else _Group(members)
     reshard_after_forward, post_forward_group = _reshard_group(reshard_after_forward, mesh)
     strategy = _strategy(reshard_after_forward, mesh)
     groups: dict[str, Any] = (
         {"device_mesh": mesh} if mesh.ndim == 2 else {"process_group": mesh.get_group(0)}
     )
-    settings = resolve_settings(
-        {
-            **groups,
-            "sharding_strategy": strategy,
-            "mixed_precision": _mixed_precision(mp_policy),
-            "cpu_offload": CPUOffload(offload_params=isinstance(offload_policy, CPUOffloadPolicy)),
-            "ignored_states": list(ignored_params or ()),
-            "use_orig_params": True,
-            "device_id": _mesh_device(mesh),
-        }
-    )
+    with warnings.catch_warnings():  # FSDP1's warning on one rank; torch's fully_shard has none
+        warnings.filterwarnings("ignore", message="FSDP is switching to use `NO_SHARD`")
+        settings = _resolve(groups, strategy, mp_policy, offload_policy, ignored_params, mesh)
     shard_dim = _shard_dims(target, shard_placement_fn, settings.ignored_params)
     settings = dataclasses.replace(
         settings,
@@ -126,6 +120,28 @@ def fully_shard(
         member.register_forward_hook(functools.partial(_post_forward, state), with_kwargs=True)
         member.__class__ = _fsdp_class(type(member))
     return module
+
+
+def _resolve(
+    groups: dict[str, Any],
+    strategy: ShardingStrategy,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+    ignored_params: set[nn.Parameter] | None,
+    mesh: DeviceMesh,
+) -> Any:
+    """The engine's settings for a ``fully_shard`` call (FSDP1's options it maps onto)."""
+    return resolve_settings(
+        {
+            **groups,
+            "sharding_strategy": strategy,
+            "mixed_precision": _mixed_precision(mp_policy),
+            "cpu_offload": CPUOffload(offload_params=isinstance(offload_policy, CPUOffloadPolicy)),
+            "ignored_states": list(ignored_params or ()),
+            "use_orig_params": True,
+            "device_id": _mesh_device(mesh),
+        }
+    )
 
 
 class _Group(nn.Module):
@@ -196,6 +212,21 @@ def _check_not_applied(module: nn.Module) -> None:
                 f"parameter '{name}' of this {type(module).__qualname__} is already sharded by "
                 "fully_shard on an ancestor module: fully_shard is applied bottom-up. Apply it "
                 "to the submodules first (e.g. each transformer block), then to the root"
+            )
+
+
+def _check_ties_kept(module: nn.Module) -> None:
+    """A parameter tied between a module sharded on its own and one outside it: that call
+    gave its module a DTensor parameter and left the other module the old one (emptied), so
+    the tie would be silently broken. Raise instead, naming both."""
+    for name, param in module.named_parameters():
+        if param in RELEASED:
+            raise ValueError(
+                f"parameter '{name}' of this {type(module).__qualname__} is tied to "
+                f"'{RELEASED[param]}' of a module fully_shard was applied to on its own, which "
+                "broke the tie. A tied parameter must be managed by a module containing every "
+                "module that uses it: do not apply fully_shard to that module alone (leave it to "
+                "this one), or put both in one group (fully_shard([a, b]))"
             )
 
 

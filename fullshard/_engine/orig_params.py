@@ -278,8 +278,11 @@ class OrigParamViews:
                 "parameters or differently in the modules sharing it; FSDP cannot change "
                 "which parameters are shared. Tie or untie parameters before wrapping"
             )
-        shape = local_tensor(param).reshape(-1).shape if isinstance(param, DTensor) else param.shape
-        if shape != view.shape:
+        if isinstance(param, DTensor):  # its local tensor, in any shape, fills the piece
+            fits = local_tensor(param).numel() == view.numel()
+        else:
+            fits = param.shape == view.shape
+        if not fits:
             raise RuntimeError(
                 "Cannot writeback when the parameter shape changes\n"
                 f"Expects {view.shape} but got {param.shape}: the parameter {fqn} of FSDP unit "

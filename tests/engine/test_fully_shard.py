@@ -311,6 +311,12 @@ def _misuse() -> None:
         fully_shard(nn.Linear(2, 2), mesh=mesh, shard_placement_fn=lambda p: Replicate())
     with pytest.raises(ValueError, match="containers that do not implement forward: ModuleList"):
         fully_shard(nn.ModuleList([nn.Linear(2, 2)]), mesh=mesh)
+    tied = Net()
+    fully_shard(tied.head, mesh=mesh)  # the embedding outside it shares its weight
+    with pytest.raises(
+        ValueError, match=r"parameter 'embed\.weight' of this Net is tied to 'weight'"
+    ):
+        fully_shard(tied, mesh=mesh)
     with pytest.raises(ValueError, match="takes modules fully_shard was applied to, got a Linear"):
         early.set_modules_to_forward_prefetch([early.head])
 
@@ -879,3 +885,23 @@ def _reshard_to_smaller_group() -> None:
 @pytest.mark.parametrize("transport", ["shared-memory", "rings"])
 def test_reshard_after_forward_to_a_smaller_group(transport: str) -> None:
     run_on_ranks(4, _reshard_to_smaller_group, env=TRANSPORTS[transport])
+
+
+def _one_rank() -> None:
+    """On one rank fully_shard trains as the plain model does, without FSDP1's warning about
+    switching to NO_SHARD (torch's fully_shard has none)."""
+    import warnings
+
+    torch.manual_seed(0)
+    reference = Net()
+    model = copy.deepcopy(reference)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _shard(model, "fullshard", init_device_mesh("cpu", (1,)))
+    ours = _steps(model, torch.optim.Adam(model.parameters(), lr=1e-2), range(3))
+    theirs = _steps(reference, torch.optim.Adam(reference.parameters(), lr=1e-2), range(3))
+    assert ours == pytest.approx(theirs, rel=1e-6)
+
+
+def test_one_rank() -> None:
+    run_on_ranks(1, _one_rank)
