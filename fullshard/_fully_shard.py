@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ._engine import convert
 from ._engine import forward as _forward
@@ -250,9 +251,9 @@ def _check_mesh(mesh: DeviceMesh) -> None:
         )
 
 
-_POST_FORWARD_MESHES: dict[tuple[int, int], DeviceMesh] = {}
-"""(mesh id, k) -> the mesh whose rows are the groups of ``k`` ranks (made once: every
-rank creates its process groups)."""
+_POST_FORWARD_MESHES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""The user's mesh (held weakly) -> {k: the mesh whose rows are its groups of ``k`` ranks}:
+made once per mesh and k, as every rank creates the process groups."""
 
 
 def _reshard_group(
@@ -284,10 +285,10 @@ def _reshard_group(
         return False, None
     if k == shard_size:
         return True, None
-    key = (id(mesh), k)
-    if key not in _POST_FORWARD_MESHES:
-        _POST_FORWARD_MESHES[key] = DeviceMesh(mesh.device_type, mesh.mesh.view(-1, k))
-    return True, _POST_FORWARD_MESHES[key].get_group(1)
+    meshes = _POST_FORWARD_MESHES.setdefault(mesh, {})
+    if k not in meshes:
+        meshes[k] = DeviceMesh(mesh.device_type, mesh.mesh.view(-1, k))
+    return True, meshes[k].get_group(1)
 
 
 def _strategy(reshard_after_forward: bool | None, mesh: DeviceMesh) -> ShardingStrategy:
