@@ -72,6 +72,19 @@ class Dim0Unsharded:
             for tensor in tensors:
                 _free(tensor)
         self.tensors = tensors
+        self._rank_parts = [
+            [
+                (
+                    tensor.view(-1),
+                    *layout.rank_span(index, rank),
+                    layout.rank_row_start(index, rank),
+                )
+                for index, tensor in enumerate(tensors)
+            ]
+            for rank in range(layout.num_shards)
+        ]
+        """Per rank, per parameter: its flat view (on the same storage, so valid across
+        free and allocate), its span in that rank's shard, where that rank's rows start."""
 
     def allocate(self) -> None:
         for tensor in self.tensors:
@@ -83,13 +96,11 @@ class Dim0Unsharded:
         padding dropped). The all-gather's sink (``collectives.gathers_into_sink``): one copy
         instead of the gathered buffer's two (into it, then out of it)."""
         end = start + data.numel()
-        layout = self.layout
-        for index, tensor in enumerate(self.tensors):
-            first, last = layout.rank_span(index, rank)
+        for flat, first, last, row_start in self._rank_parts[rank]:
             lo, hi = max(first, start), min(last, end)
             if lo < hi:
-                at = layout.rank_row_start(index, rank) + lo - first
-                tensor.view(-1)[at : at + hi - lo].copy_(data[lo - start : hi - start])
+                at = row_start + lo - first
+                flat[at : at + hi - lo].copy_(data[lo - start : hi - start])
 
     def fill(self, gathered: torch.Tensor) -> None:
         """Copy each parameter out of the all-gathered buffer (copy-out)."""

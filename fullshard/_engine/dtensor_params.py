@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
 __all__: list[str] = []
@@ -63,6 +64,12 @@ class DTensorParams:
         self._shapes = shapes
         self._strides = [torch.empty(shape, device="meta").stride() for shape in shapes]
         """Each parameter's contiguous stride (its DTensors' global stride)."""
+        self._layout_shapes = [
+            self.to_layout(index, torch.empty(shape, device="meta")).shape
+            for index, shape in enumerate(shapes)
+        ]
+        self._specs: dict[tuple[int, torch.dtype], DTensorSpec] = {}
+        """(parameter, dtype) -> the spec its gradients share (see ``wrap_grad``)."""
 
     def to_layout(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
         """Parameter ``index`` (or its gradient) in the orientation the layout splits on dim 0."""
@@ -70,12 +77,12 @@ class DTensorParams:
         return tensor.movedim(dim, 0) if dim else tensor
 
     def layout_shape(self, index: int) -> torch.Size:
-        return self.to_layout(index, torch.empty(self._shapes[index], device="meta")).shape
+        return self._layout_shapes[index]
 
     def _local(self, index: int, piece: torch.Tensor) -> torch.Tensor:
         """``piece`` (flat, in layout order) as parameter ``index``'s local tensor."""
-        rest = tuple(self.layout_shape(index)[1:])
-        row_numel = max(1, torch.Size(rest).numel())
+        rest = self._layout_shapes[index][1:]
+        row_numel = max(1, rest.numel())
         local = piece.view(piece.numel() // row_numel, *rest)
         dim = self.dims[index]
         return local.movedim(0, dim) if dim else local
@@ -90,6 +97,19 @@ class DTensorParams:
             shape=self._shapes[index],
             stride=self._strides[index],
         )
+
+    def wrap_grad(self, index: int, piece: torch.Tensor) -> DTensor:
+        """Parameter ``index``'s sharded gradient over ``piece``: ``wrap`` 's DTensor, built
+        directly on a spec made once per parameter and dtype (as torch's FSDP2 does), since
+        every backward makes one per parameter: ``from_local`` runs an autograd function and
+        makes a new spec each time."""
+        key = (index, piece.dtype)
+        spec = self._specs.get(key)
+        if spec is None:
+            meta = TensorMeta(self._shapes[index], self._strides[index], piece.dtype)
+            spec = DTensorSpec(self.mesh, self._placements[index], tensor_meta=meta)
+            self._specs[key] = spec
+        return DTensor(self._local(index, piece), spec, requires_grad=False)
 
     def make_param(self, index: int, piece: torch.Tensor, requires_grad: bool) -> nn.Parameter:
         return nn.Parameter(self.wrap(index, piece.detach()), requires_grad=requires_grad)

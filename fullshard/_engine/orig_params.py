@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import _global_parameter_registration_hooks
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._comm import collectives as comm
@@ -82,8 +83,15 @@ def _assign_plain(module: nn.Module, name: str, tensor: torch.Tensor, unsafe: bo
 
 
 def _assign_param(module: nn.Module, name: str, param: nn.Parameter, unsafe: bool) -> None:
-    """Register ``param`` as ``module.<name>``."""
-    if unsafe:
+    """Register ``param`` as ``module.<name>``: through the module's ``setattr`` where it has
+    its own (or when someone hooks parameter registration), else straight into its dicts,
+    which is what ``nn.Module.__setattr__`` would do, at a fraction of the cost (this runs
+    for every parameter at every reshard under ``use_orig_params`` and ``fully_shard``)."""
+    if unsafe or (
+        type(module).__setattr__ is nn.Module.__setattr__
+        and type(module).__delattr__ is nn.Module.__delattr__
+        and not _global_parameter_registration_hooks
+    ):
         module.__dict__.pop(name, None)
         module._parameters[name] = param
         return
@@ -170,7 +178,7 @@ class OrigParamViews:
     def _sharded_grad(self, index: int, view: torch.Tensor) -> torch.Tensor:
         """What parameter ``index``'s ``.grad`` is, given its piece of the sharded gradient."""
         dtensors = self._dtensor_params
-        return view if dtensors is None else dtensors.wrap(index, view)
+        return view if dtensors is None else dtensors.wrap_grad(index, view)
 
     def register_orig_params(self) -> None:
         """After a forward that keeps the unit unsharded until backward (the root, or
@@ -267,7 +275,7 @@ class OrigParamViews:
         param = held[0]
         if param is None or not isinstance(param, nn.Parameter):
             return None
-        fqn = self.param_fqns[index]
+        fqn = self.slot(index).fqn
         replaced = param is not self._orig_params[index]
         if any(p is not param for p in held) or (
             replaced and any(param is other for other in self._orig_params)
@@ -356,21 +364,22 @@ class OrigParamViews:
         flat_grad = self.flat_param.grad
         if flat_grad is None:
             return
-        any_kept = False
         segment = self._segments[0]
-        for index, view in zip(segment.indices, segment.sharded_piece_views(flat_grad)):
-            if not self._orig_params[index].requires_grad or view.numel() == 0:
-                continue
-            grad = self._orig_params[index].grad
+        held = [
+            (index, view, self._orig_params[index].grad)
+            for index, view in zip(segment.indices, segment.sharded_piece_views(flat_grad))
+            if self._orig_params[index].requires_grad and view.numel() > 0
+        ]
+        if all(grad is None for _, _, grad in held):  # e.g. zero_grad(set_to_none=True)
+            self.flat_param.grad = None  # rather than zeroing it piece by piece
+            return
+        for index, view, grad in held:
             if grad is None:
                 view.zero_()
                 continue
-            any_kept = True
             grad = local_tensor(grad)
             if grad.data_ptr() != view.data_ptr():
                 view.copy_(self._in_layout(index, grad).reshape(view.shape))
-        if not any_kept:
-            self.flat_param.grad = None
 
     def _use_sharded_grad_views(self) -> None:
         """``use_orig_params``: each original ``.grad`` views its piece of the sharded grad.
