@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .orig_params import RELEASED
+from .orig_params import RELEASED, REPLACED_BY_DTENSOR
 
 __all__: list[str] = []
 
@@ -38,13 +38,22 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, *_: Any) -> None:
         for param in group["params"]:
             name = RELEASED.get(param)
             if name is not None:
-                raise RuntimeError(
-                    f"{type(optimizer).__name__} holds parameters that FullyShardedDataParallel "
-                    f"took over when it wrapped the model (e.g. {name}): they are empty "
-                    "now and never get gradients, so this step would change nothing. Build the "
-                    "optimizer after wrapping, over the wrapped model's parameters() (or wrap "
-                    "with use_orig_params=True, which keeps the original parameters; with "
-                    "fully_shard, build it after fully_shard, over model.parameters(): its "
-                    "parameters are new DTensor ones)"
-                )
+                raise RuntimeError(_stale_optimizer_message(optimizer, param, name))
     _CHECKED_OPTIMIZERS[optimizer] = count
+
+
+def _stale_optimizer_message(optimizer: torch.optim.Optimizer, param: Any, name: str) -> str:
+    holds = f"{type(optimizer).__name__} holds parameters that"
+    if param in REPLACED_BY_DTENSOR:
+        return (
+            f"{holds} fully_shard replaced (e.g. {name}): fully_shard gives each module it "
+            "manages new DTensor parameters, and the old ones are empty now and never get "
+            "gradients, so this step would change nothing. Build the optimizer after "
+            "fully_shard, over model.parameters()"
+        )
+    return (
+        f"{holds} FullyShardedDataParallel took over when it wrapped the model (e.g. {name}): "
+        "they are empty now and never get gradients, so this step would change nothing. Build "
+        "the optimizer after wrapping, over the wrapped model's parameters() (or wrap with "
+        "use_orig_params=True, which keeps the original parameters)"
+    )

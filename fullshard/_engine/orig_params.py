@@ -62,8 +62,13 @@ __all__ = ["OrigParamChangedError"]
 
 
 RELEASED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""Original parameter whose values moved into a flat parameter -> its name (held weakly, not
-set on the user's parameter); see ``optimizer_check``."""
+"""Original parameter whose values moved into a flat parameter (FSDP1) or which a new DTensor
+parameter replaced (``fully_shard``) -> its name (held weakly, not set on the user's
+parameter); see ``optimizer_check``. ``REPLACED_BY_DTENSOR`` tells the two apart."""
+
+REPLACED_BY_DTENSOR: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""The parameters of ``RELEASED`` that ``fully_shard`` replaced (-> True), so an error names
+the API the user called."""
 
 
 class OrigParamChangedError(RuntimeError, AssertionError):
@@ -173,7 +178,8 @@ class OrigParamViews:
         else:
             self._orig_params[index] = dtensors.make_param(index, view, param.requires_grad)
             param.data = param.data.new_empty(0)  # an optimizer still holding it is refused
-            RELEASED[param] = self.param_fqns[index]
+            RELEASED[param] = self.slot(index).fqn
+            REPLACED_BY_DTENSOR[param] = True
 
     def _sharded_grad(self, index: int, view: torch.Tensor) -> torch.Tensor:
         """What parameter ``index``'s ``.grad`` is, given its piece of the sharded gradient."""

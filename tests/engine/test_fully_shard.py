@@ -4,6 +4,7 @@ torch's own ``fully_shard``, the ``FSDPModule`` methods, and its errors."""
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import pytest
@@ -296,8 +297,13 @@ def _misuse() -> None:
     optim = torch.optim.SGD(early.parameters(), lr=0.1)
     _shard(early, "fullshard", mesh)
     _loss(early(_tokens(0)), 0).backward()
-    with pytest.raises(RuntimeError, match="build it after fully_shard"):
+    with pytest.raises(RuntimeError) as stale:
         optim.step()
+    assert re.fullmatch(
+        r"SGD holds parameters that fully_shard replaced \(e\.g\. [\w.]+\): fully_shard gives "
+        r".*Build the optimizer after fully_shard, over model\.parameters\(\)",
+        str(stale.value),
+    ), str(stale.value)  # names the API called, not FullyShardedDataParallel
     with pytest.raises(ValueError, match="it should be a factor of 2, not 3"):
         fully_shard(Net(), mesh=mesh, reshard_after_forward=3)
     with pytest.raises(ValueError, match=r"should be a bool or an int .* not 2\.5"):
