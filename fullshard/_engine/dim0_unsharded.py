@@ -169,6 +169,8 @@ class PostForwardShard:
         self.group = group
         self.rank = dist.get_rank(group)
         self.shard: torch.Tensor | None = None
+        self._receiver: Dim0Unsharded | None = None
+        """``params`` seen through this group's layout (made at the first gather)."""
 
     def keep(self, params: Dim0Unsharded) -> None:
         """At post-forward, before ``params`` are freed: copy this rank's chunk of each."""
@@ -190,9 +192,12 @@ class PostForwardShard:
         what to run once it is done (fill the parameters, unless the transport did; free)."""
         shard = self.shard
         assert shard is not None
-        receiver = Dim0Unsharded(
-            self.layout, shard.dtype, shard.device, params.dims, params.tensors
-        )
+        receiver = self._receiver
+        if receiver is None or receiver.tensors is not params.tensors:
+            receiver = Dim0Unsharded(
+                self.layout, shard.dtype, shard.device, params.dims, params.tensors
+            )
+            self._receiver = receiver
         gathered = torch.empty(self.layout.padded_numel, dtype=shard.dtype, device=shard.device)
         params.allocate()
         if comm.gathers_into_sink(self.group, shard):
