@@ -159,6 +159,58 @@ def test_parity_hsdp_on_a_2x2_mesh(
     run_on_ranks(4, _compare, reshard_after_forward, mixed, offload, True)
 
 
+def _grads_kept_across_steps(api: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Gradients the user keeps, zeroes in place or drops one by one between backwards."""
+    torch.manual_seed(0)
+    model = Net()
+    if api == "ddp":
+        sharded: nn.Module = DDP(model)
+    else:
+        _shard(model, api, init_device_mesh("cpu", (dist.get_world_size(),)))
+        sharded = model
+    optim = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    losses = []
+    for step in range(4):
+        for micro in range(2):  # accumulated: no zero_grad between the two
+            loss = _loss(sharded(_tokens(2 * step + micro)), 2 * step + micro)
+            loss.backward()
+            losses.append(loss.item())
+        optim.step()
+        if step == 0:
+            optim.zero_grad(set_to_none=False)  # zeroed in place
+        elif step == 1:  # some dropped, some kept: the kept ones add to the next backward
+            for name, param in sharded.named_parameters():
+                if "blocks.1" in name or "norm" in name:
+                    param.grad = None
+        else:
+            optim.zero_grad()
+    full = {
+        name.removeprefix("module."): (param.full_tensor() if isinstance(param, DTensor) else param)
+        .detach()
+        .clone()
+        for name, param in sharded.named_parameters()
+    }
+    return losses, full
+
+
+def _compare_kept_grads() -> None:
+    ours, our_params = _grads_kept_across_steps("fullshard")
+    for api in ("torch", "ddp"):
+        theirs, their_params = _grads_kept_across_steps(api)
+        assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6), (api, ours, theirs)
+        for name, value in their_params.items():
+            torch.testing.assert_close(
+                our_params[name], value, rtol=1e-5, atol=1e-5, msg=f"{api}: {name}"
+            )
+
+
+def test_gradients_accumulated_zeroed_in_place_or_dropped_one_by_one() -> None:
+    """What the user does to the DTensor gradients between backwards is what the next
+    backward adds to: accumulation, zero_grad(set_to_none=False), some set to None and
+    others kept. The same losses and parameters as torch's fully_shard and as DDP."""
+    run_on_ranks(2, _compare_kept_grads)
+
+
 def _dtensor_parameters() -> None:
     from fullshard import FSDPModule, fully_shard
 
