@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -28,7 +29,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ._engine import convert
 from ._engine import forward as _forward
@@ -251,9 +251,14 @@ def _check_mesh(mesh: DeviceMesh) -> None:
         )
 
 
-_POST_FORWARD_MESHES: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""The user's mesh (held weakly) -> {k: the mesh whose rows are its groups of ``k`` ranks}:
-made once per mesh and k, as every rank creates the process groups."""
+_POST_FORWARD_MESHES: weakref.WeakKeyDictionary[
+    dist.ProcessGroup, dict[tuple[str, tuple[int, ...], int], DeviceMesh]
+] = weakref.WeakKeyDictionary()
+"""Default process group (held weakly: a world set up again starts afresh) -> (device type,
+the ranks of a mesh in order, k) -> the mesh whose rows are its groups of ``k`` ranks. Made
+once per ranks and k and shared by every module sharded over them: each ``mesh=None`` call
+makes a new mesh over the same ranks, and each new group costs every rank a gloo group and a
+shared-memory file (32 MiB each for 2 ranks)."""
 
 
 def _reshard_group(
@@ -285,10 +290,13 @@ def _reshard_group(
         return False, None
     if k == shard_size:
         return True, None
-    meshes = _POST_FORWARD_MESHES.setdefault(mesh, {})
-    if k not in meshes:
-        meshes[k] = DeviceMesh(mesh.device_type, mesh.mesh.view(-1, k))
-    return True, meshes[k].get_group(1)
+    world = dist.group.WORLD
+    assert world is not None, "checked by the mesh's construction"
+    meshes = _POST_FORWARD_MESHES.setdefault(world, {})
+    key = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), k)
+    if key not in meshes:
+        meshes[key] = DeviceMesh(mesh.device_type, mesh.mesh.view(-1, k))
+    return True, meshes[key].get_group(1)
 
 
 def _strategy(reshard_after_forward: bool | None, mesh: DeviceMesh) -> ShardingStrategy:

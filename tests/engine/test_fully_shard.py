@@ -938,6 +938,23 @@ def _reshard_to_smaller_group() -> None:
     assert smaller < 0.7 * full, (smaller, full)  # 1/2 of each block against 3/4, plus padding
     with pytest.warns(UserWarning, match=r"reshard_after_forward=1 \(int\) means resharding"):
         fully_shard(Block(), reshard_after_forward=1)
+    # Modules sharded over the same ranks share the 2-rank groups, whichever mesh object they
+    # were given (mesh=None makes a new one per call): one gloo group and one shared-memory
+    # file per group of ranks, not one per module.
+    blocks = [Block() for _ in range(3)]
+    for block in blocks[:2]:
+        fully_shard(block, reshard_after_forward=2)
+    fully_shard(blocks[2], mesh=init_device_mesh("cpu", (4,)), reshard_after_forward=2)
+    groups = [_post_forward_group(block) for block in blocks]
+    assert groups[0] is not None and all(group is groups[0] for group in groups), groups
+
+
+def _post_forward_group(module: nn.Module) -> dist.ProcessGroup | None:
+    from fullshard import fully_shard
+
+    handle = fully_shard.state(module).handle
+    assert handle is not None and handle._dtensor_params is not None
+    return handle._dtensor_params.post_forward_group
 
 
 @pytest.mark.parametrize("transport", ["shared-memory", "rings"])
