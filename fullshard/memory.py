@@ -17,7 +17,10 @@ gives the bytes one rank holds at its peak, split the way they are allocated:
   from forward to backward, plus two gradients. Unsharded gradients cover trainable elements
   only; a unit with frozen parameters reshards once its inputs' gradients are computed, so
   one more unit's parameters are alive as the next unit's backward begins (see [Note:
-  resharding units with frozen parameters] in _engine/runtime.py).
+  resharding units with frozen parameters] in _engine/runtime.py). With ``fully_shard``'s
+  ``reshard_after_forward=k`` (``post_forward_shards``), every unit also keeps its
+  parameters sharded over ``k`` ranks (``1/k`` of each, compute dtype) from its forward to
+  its backward: all of them are alive as backward begins.
 - ``activations``: what the caller estimates for the model and batch (``gpt_activations``
   for the example GPT).
 - ``staging``: CPU ranks of one host only (``shared_memory_cell_bytes``): the pages of the
@@ -128,6 +131,7 @@ def estimate(
     shared_memory_cell_bytes: int = 0,
     trainable_numels: list[int] | None = None,
     root_trainable_numel: int | None = None,
+    post_forward_shards: int | None = None,
 ) -> MemoryEstimate:
     """Per-rank peak memory of training with one FSDP unit per entry of ``unit_numels``
     (the root unit's own parameters in ``root_numel``). ``compute_bytes`` is the compute
@@ -139,12 +143,14 @@ def estimate(
     counts the shared-memory transport's staging; ``reduce_bytes`` is the gradients'
     reduction dtype's size (default ``compute_bytes``). ``trainable_numels`` (and
     ``root_trainable_numel``) give the elements of each unit that require grad when some
-    are frozen (default: all): gradients and optimizer state count those only."""
+    are frozen (default: all): gradients and optimizer state count those only.
+    ``post_forward_shards``: ``fully_shard(reshard_after_forward=k)``'s ``k``."""
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     name = _strategy_name(strategy)
     compute_bytes = compute_bytes or param_bytes
     shards = _shard_ranks(name, world_size, shard_group_size)
+    _check_post_forward(name, shards, post_forward_shards)
     numels = [*unit_numels, root_numel]
     trainable = _trainable(unit_numels, root_numel, trainable_numels, root_trainable_numel)
     # A mixed unit's trainable and frozen segments are padded and sharded on their own.
@@ -159,6 +165,8 @@ def estimate(
     if offload_params:
         params = grads = optimizer = 0
     unsharded = _unsharded_numel(name, unit_numels, trainable, root_numel) * compute_bytes
+    if post_forward_shards:
+        unsharded += sum(_shard(n, post_forward_shards) for n in unit_numels) * compute_bytes
     staging = 0
     if shared_memory_cell_bytes and name != "NO_SHARD" and shards > 1:
         gather_piece = _shard(max(unit_numels, default=0), shards) * compute_bytes
@@ -187,6 +195,21 @@ def _unsharded_numel(
     return root_numel + largest + finishing + largest_grad + largest
 
 
+def _check_post_forward(name: str, shards: int, post_forward_shards: int | None) -> None:
+    """``reshard_after_forward=k`` reshards after forward (FULL_SHARD, HYBRID_SHARD) to a
+    group strictly between one rank and the shard group, which ``k`` divides."""
+    if post_forward_shards is None:
+        return
+    if name not in ("FULL_SHARD", "HYBRID_SHARD"):
+        raise ValueError(f"post_forward_shards applies to FULL_SHARD and HYBRID_SHARD, not {name}")
+    if not 1 < post_forward_shards < shards or shards % post_forward_shards:
+        raise ValueError(
+            f"post_forward_shards must be a factor of the shard group's {shards} ranks between "
+            f"2 and {shards - 1}, not {post_forward_shards} (1 is SHARD_GRAD_OP's memory, "
+            f"{shards} FULL_SHARD's)"
+        )
+
+
 def _shard_ranks(name: str, world_size: int, shard_group_size: int | None) -> int:
     if name == "NO_SHARD":
         return 1
@@ -212,6 +235,7 @@ def communication_bytes(
     shard_group_size: int | None = None,
     trainable_numels: list[int] | None = None,
     root_trainable_numel: int | None = None,
+    post_forward_shards: int | None = None,
 ) -> int:
     """Bytes one rank sends per training step (ring estimate, as ``fullshard._comm.collectives``
     counts them): with G ranks sharding a unit of B bytes, an all-gather or a reduce-scatter
@@ -220,16 +244,24 @@ def communication_bytes(
     SHARD_GRAD_OP gathers once; NO_SHARD all-reduces the gradient; the hybrid strategies
     also all-reduce each gradient shard over the ``world_size / G`` replicas. Gradients are
     reduced for the trainable elements only (``trainable_numels``, ``root_trainable_numel``;
-    default: all)."""
+    default: all). With ``post_forward_shards`` (``k``) backward's all-gathers run within
+    groups of ``k`` ranks."""
     name = _strategy_name(strategy)
     reduce_bytes = reduce_bytes or compute_bytes
     shards = _shard_ranks(name, world_size, shard_group_size)
+    _check_post_forward(name, shards, post_forward_shards)
     total = sum(unit_numels) + root_numel
     reduced = sum(_trainable(unit_numels, root_numel, trainable_numels, root_trainable_numel))
     if name == "NO_SHARD":
         return int(2 * reduced * reduce_bytes * (world_size - 1) / world_size)
     gathers = total if name in _KEEPS_UNSHARDED_AFTER_FORWARD else 2 * sum(unit_numels) + root_numel
+    backward_gathers = 0.0
+    if post_forward_shards:  # backward's gathers move to the k-rank groups
+        k = post_forward_shards
+        gathers -= sum(unit_numels)
+        backward_gathers = sum(unit_numels) * compute_bytes * (k - 1) / k
     within = (gathers * compute_bytes + reduced * reduce_bytes) * (shards - 1) / shards
+    within += backward_gathers
     replicas = world_size // shards
     across = (
         2 * (reduced / shards) * reduce_bytes * (replicas - 1) / replicas if replicas > 1 else 0

@@ -9,7 +9,9 @@ one FSDP unit per transformer block, the embeddings, final norm and head in the 
 ``--api fsdp2`` plans ``fully_shard`` applied the same way (each block, then the root):
 ``--reshard-after-forward true`` is FULL_SHARD's memory and traffic, ``false``
 SHARD_GRAD_OP's, and either with ``--shard-group-size`` (a 2-D (replicate, shard) mesh)
-HYBRID_SHARD's or _HYBRID_SHARD_ZERO2's (see [Note: FSDP2's memory in the plan]).
+HYBRID_SHARD's or _HYBRID_SHARD_ZERO2's (see [Note: FSDP2's memory in the plan]); an int
+``k`` is FULL_SHARD's (HYBRID_SHARD's) plus every unit's parameters kept sharded over ``k``
+ranks from forward to backward, whose all-gathers then run within those ranks.
 
 Pure arithmetic, no torch: a 70B model on 512 GPUs is answered in well under a second.
 """
@@ -81,6 +83,11 @@ _FSDP2_STRATEGIES = {
 # ranks grows more under FSDP2 (`fullshard bench --config comm`: 1008 vs 955 MiB FULL_SHARD,
 # 1256 vs 1094 MiB SHARD_GRAD_OP; the plan's 842 and 1178 MiB are then 16% and 6% under):
 # the per-parameter blocks fragment the heap, which this model does not count.
+# reshard_after_forward=k adds every unit's parameters over k ranks (`memory.estimate`'s
+# post_forward_shards). Measured on 4 CPU ranks, `fullshard bench --config comm`'s model
+# with fully_shard per block (peak resident growth over 3 steps, 2 runs each): k=2 added
+# 872-984 MiB per rank, True 692-723 MiB. The difference, about 210 MiB, matches the
+# model's 192 MiB; both totals are 20-24% over the model, as above.
 _FSDP2_NOTES = (
     "fully_shard runs fullshard's FSDP1 engine with parameters split on dim 0: this is the "
     "memory model of the FSDP1 strategy named above",
@@ -120,14 +127,20 @@ class PlanResult:
     """"fsdp1" (FullyShardedDataParallel) or "fsdp2" (fully_shard)."""
     notes: tuple[str, ...] = ()
     """What the reader should know about how these numbers were modelled."""
+    post_forward_shards: int | None = None
+    """fully_shard's ``reshard_after_forward=k``: the ranks parameters stay sharded over
+    between forward and backward (None: True or False)."""
 
     @property
     def device_total(self) -> int:
         return self.memory.total
 
     @property
-    def reshard_after_forward(self) -> bool:
-        """FSDP2's name for whether units free their parameters after forward."""
+    def reshard_after_forward(self) -> bool | int:
+        """FSDP2's option: whether units free their parameters after forward, or the ranks
+        they keep them sharded over until backward."""
+        if self.post_forward_shards is not None:
+            return self.post_forward_shards
         return self.strategy not in ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2")
 
 
@@ -146,11 +159,15 @@ def make_plan(
     activation_checkpointing: bool = False,
     device: str = "cuda",
     api: str = "fsdp1",
+    post_forward_shards: int | None = None,
 ) -> PlanResult:
     """Per-rank memory and communication of training ``shape`` (see the module docstring).
-    With ``api="fsdp2"``, ``strategy`` is the one `fsdp2_strategy` names."""
+    With ``api="fsdp2"``, ``strategy`` is the one `fsdp2_strategy` names, and
+    ``post_forward_shards`` is ``reshard_after_forward=k``'s ``k``."""
     if api == "fsdp2" and strategy not in _FSDP2_STRATEGIES.values():
         raise ValueError(f"fully_shard has no {strategy}; see fsdp2_strategy")
+    if post_forward_shards is not None and api != "fsdp2":
+        raise ValueError("post_forward_shards is fully_shard's reshard_after_forward=k")
     param_bytes = _DTYPE_BYTES[param_dtype]
     compute_dtype = param_dtype if mixed_precision == "none" else mixed_precision
     compute_bytes = _DTYPE_BYTES[compute_dtype]
@@ -169,6 +186,7 @@ def make_plan(
         shard_group_size=group,
         # CPU ranks of one host exchange through shared memory (its staging counts)
         shared_memory_cell_bytes=SHARED_MEMORY_CELL_BYTES if device == "cpu" else 0,
+        post_forward_shards=post_forward_shards,
     )
     memory, host = resident, 0
     if cpu_offload:  # the model state moves to host memory; the rest stays on the device
@@ -186,10 +204,11 @@ def make_plan(
         seq_len,
         memory,
         host,
-        _comm_bytes(shape, world_size, strategy, compute_bytes, group),
+        _comm_bytes(shape, world_size, strategy, compute_bytes, group, post_forward_shards),
         device,
         api,
         _FSDP2_NOTES if api == "fsdp2" else (),
+        post_forward_shards,
     )
 
 
@@ -211,7 +230,12 @@ def _activations(
 
 
 def _comm_bytes(
-    shape: ModelShape, world_size: int, strategy: str, compute_bytes: int, shard_group_size: int
+    shape: ModelShape,
+    world_size: int,
+    strategy: str,
+    compute_bytes: int,
+    shard_group_size: int,
+    post_forward_shards: int | None,
 ) -> int:
     """Bytes each rank sends per step (a ring estimate)."""
     return communication_bytes(
@@ -221,6 +245,7 @@ def _comm_bytes(
         root_numel=shape.root_numel,
         compute_bytes=compute_bytes,
         shard_group_size=shard_group_size,
+        post_forward_shards=post_forward_shards,
     )
 
 
@@ -263,9 +288,15 @@ def _setup_line(plan: PlanResult) -> str:
     if plan.compute_dtype != plan.param_dtype:
         policy = f"MixedPrecisionPolicy(param_dtype={plan.compute_dtype})"
     offload = "CPUOffloadPolicy()" if plan.cpu_offload else "OffloadPolicy()"
+    model = f"the {plan.strategy} memory model"
+    if plan.post_forward_shards is not None:
+        model += (
+            f", plus each unit's parameters sharded over {plan.post_forward_shards} ranks from "
+            "forward to backward"
+        )
     return (
         f"setup: {plan.world_size} ranks, fully_shard(reshard_after_forward="
-        f"{plan.reshard_after_forward}) on a {mesh} (the {plan.strategy} memory model), "
+        f"{plan.reshard_after_forward}) on a {mesh} ({model}), "
         f"params {plan.param_dtype}, mp_policy={policy}, offload_policy={offload}, {batch}"
     )
 
@@ -374,9 +405,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     setup.add_argument(
         "--reshard-after-forward",
-        choices=["true", "false"],
+        type=_reshard_after_forward,
         default=None,
-        help="fsdp2 (default true): true plans as FULL_SHARD, false as SHARD_GRAD_OP",
+        metavar="{true,false,K}",
+        help="fsdp2 (default true): true plans as FULL_SHARD, false as SHARD_GRAD_OP, an int K "
+        "(a factor of the shard group's ranks) as FULL_SHARD plus the parameters kept sharded "
+        "over K ranks from forward to backward",
     )
     setup.add_argument(
         "--shard-group-size",
@@ -428,6 +462,33 @@ def _shape(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelSh
     )
 
 
+def _reshard_after_forward(text: str) -> bool | int:
+    if text in ("true", "false"):
+        return text == "true"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"true, false or a group size, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a group size is at least 1, not {value}")
+    return value
+
+
+def _post_forward_shards(
+    reshard_after_forward: bool | int | None, shard_ranks: int
+) -> tuple[bool, int | None]:
+    """``reshard_after_forward`` as fully_shard reads it for ``shard_ranks`` ranks: whether it
+    reshards after forward, and to how many ranks when fewer than all (1 means False, as
+    torch says when it warns, and ``shard_ranks`` means True)."""
+    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
+        return reshard_after_forward is not False, None
+    if reshard_after_forward == 1:
+        return False, None
+    if reshard_after_forward >= shard_ranks:
+        return True, None
+    return True, reshard_after_forward
+
+
 def _strategy(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
     """The memory model's strategy: ``--strategy`` (fsdp1), or the one ``fully_shard``'s
     options amount to (fsdp2)."""
@@ -444,7 +505,15 @@ def _strategy(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
             "use --reshard-after-forward true (FULL_SHARD) or false (SHARD_GRAD_OP), and "
             "--shard-group-size for a 2-D (replicate, shard) mesh (HYBRID_SHARD)"
         )
-    reshard = args.reshard_after_forward != "false"
+    shard_ranks = args.shard_group_size or args.world_size
+    k = args.reshard_after_forward
+    if isinstance(k, int) and not isinstance(k, bool) and (k > shard_ranks or shard_ranks % k):
+        parser.error(
+            "If passing reshard_after_forward as an int, it should be a factor of "
+            f"{shard_ranks}, not {k} (--reshard-after-forward: the ranks of the shard group, "
+            "--shard-group-size or else --world-size)"
+        )
+    reshard, _ = _post_forward_shards(k, shard_ranks)
     return fsdp2_strategy(reshard, two_d_mesh=args.shard_group_size is not None)
 
 
@@ -468,6 +537,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         group = args.shard_group_size
         if hybrid and group is not None:
             group = math.gcd(group, world_size)
+        post_forward = None
+        if args.api == "fsdp2" and strategy in ("FULL_SHARD", "HYBRID_SHARD"):
+            # a size in --plot's sweep that k does not divide plans as True
+            ranks = group or world_size
+            k = args.reshard_after_forward
+            if isinstance(k, int) and not isinstance(k, bool) and ranks % k == 0:
+                _, post_forward = _post_forward_shards(k, ranks)
         return make_plan(
             shape,
             world_size,
@@ -482,6 +558,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             activation_checkpointing=args.activation_checkpointing,
             device=args.device,
             api=args.api,
+            post_forward_shards=post_forward,
         )
 
     plan = plan_for(args.world_size)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -187,6 +188,40 @@ def test_plan_fsdp2_gives_the_matching_fsdp1_strategys_numbers(
     for part in ("params", "grads", "optimizer", "unsharded", "activations"):
         assert plan["memory"][part] == getattr(fsdp1.memory, part), part
     assert plan["comm_bytes_per_step"] == fsdp1.comm_bytes_per_step
+
+
+def test_plan_fsdp2_reshard_after_forward_to_k_ranks(tmp_path: Path) -> None:
+    """``--reshard-after-forward K``: FULL_SHARD's memory plus each block kept over K ranks
+    between forward and backward (and backward's gathers within them); 1 plans as false and
+    the shard group's size as true, as fully_shard reads them; a K that does not divide the
+    group is refused with torch's words."""
+    base = ["plan", "--preset", "llama2-7b", "--world-size", "8", "--api", "fsdp2"]
+
+    def planned(k: str) -> dict[str, Any]:
+        out = tmp_path / f"plan-{k}.json"
+        result = _run([*base, "--reshard-after-forward", k, "--json", str(out)], timeout=60)
+        assert result.returncode == 0, result.stderr
+        if k == "4":
+            assert (
+                "fully_shard(reshard_after_forward=4) on a 1-D mesh (8,) (the FULL_SHARD "
+                "memory model, plus each unit's parameters sharded over 4 ranks from forward "
+                "to backward)" in result.stdout
+            ), result.stdout
+        return dict(json.loads(out.read_text()))
+
+    kept, full, none = planned("4"), planned("true"), planned("false")
+    assert kept["reshard_after_forward"] == 4 and kept["strategy"] == "FULL_SHARD"
+    shape = PRESETS["llama2-7b"]
+    kept_bytes = shape.n_layers * -(-shape.unit_numel // 4) * 4  # fp32, a quarter of each block
+    assert kept["memory"]["unsharded"] - full["memory"]["unsharded"] == kept_bytes
+    assert kept["comm_bytes_per_step"] < full["comm_bytes_per_step"]
+    assert planned("1")["memory"] == none["memory"] and planned("8")["memory"] == full["memory"]
+    result = _run([*base, "--reshard-after-forward", "3"], timeout=60)
+    assert result.returncode == 2
+    assert (
+        "If passing reshard_after_forward as an int, it should be a factor of 8, not 3"
+        in result.stderr
+    ), result.stderr
 
 
 def test_plan_fsdp2_flags_are_refused_with_the_wrong_api() -> None:

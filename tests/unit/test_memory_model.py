@@ -83,3 +83,34 @@ def test_trainable_numels_must_fit_their_units() -> None:
         estimate([10, 10], 2, trainable_numels=[11, 0])
     with pytest.raises(ValueError, match="trainable_numels"):
         estimate([10, 10], 2, trainable_numels=[1])
+
+
+def test_reshard_after_forward_to_k_ranks_keeps_a_kth_of_each_unit() -> None:
+    """fully_shard(reshard_after_forward=k): FULL_SHARD's memory plus every unit's parameters
+    over k ranks (compute dtype), and backward's all-gathers within those k ranks; only for
+    the strategies that reshard after forward, and k must be a proper factor of the group."""
+    units, world = [1000, 1000, 1001], 8
+    full = estimate(units, world, "FULL_SHARD", root_numel=10, compute_bytes=2)
+    kept = estimate(
+        units, world, "FULL_SHARD", root_numel=10, compute_bytes=2, post_forward_shards=4
+    )
+    assert kept.unsharded - full.unsharded == (250 + 250 + 251) * 2
+    assert (kept.params, kept.grads, kept.optimizer) == (full.params, full.grads, full.optimizer)
+    sent = communication_bytes(units, world, "FULL_SHARD", root_numel=10)
+    sent_kept = communication_bytes(
+        units, world, "FULL_SHARD", root_numel=10, post_forward_shards=4
+    )
+    assert abs(sent - sent_kept - sum(units) * 4 * (7 / 8 - 3 / 4)) <= 1  # int rounding
+    hybrid = estimate(units, 16, "HYBRID_SHARD", shard_group_size=8, post_forward_shards=2)
+    assert (
+        hybrid.unsharded - estimate(units, 16, "HYBRID_SHARD", shard_group_size=8).unsharded
+        == (500 + 500 + 501) * 4
+    )
+    for strategy, k in [
+        ("SHARD_GRAD_OP", 4),
+        ("FULL_SHARD", 3),
+        ("FULL_SHARD", 8),
+        ("FULL_SHARD", 1),
+    ]:
+        with pytest.raises(ValueError, match="post_forward_shards"):
+            estimate(units, world, strategy, post_forward_shards=k)
