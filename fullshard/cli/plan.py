@@ -83,11 +83,9 @@ _FSDP2_STRATEGIES = {
 # ranks grows more under FSDP2 (`fullshard bench --config comm`: 1008 vs 955 MiB FULL_SHARD,
 # 1256 vs 1094 MiB SHARD_GRAD_OP; the plan's 842 and 1178 MiB are then 16% and 6% under):
 # the per-parameter blocks fragment the heap, which this model does not count.
-# reshard_after_forward=k adds every unit's parameters over k ranks (`memory.estimate`'s
-# post_forward_shards). Measured on 4 CPU ranks, `fullshard bench --config comm`'s model
-# with fully_shard per block (peak resident growth over 3 steps, 2 runs each): k=2 added
-# 872-984 MiB per rank, True 692-723 MiB. The difference, about 210 MiB, matches the
-# model's 192 MiB; both totals are 20-24% over the model, as above.
+# reshard_after_forward=k adds every unit's parameters over k ranks. Measured on 4 CPU ranks,
+# the comm config's model, peak growth over 3 steps, 2 runs each: k=2 872-984 MiB per rank,
+# True 692-723 MiB; the difference (~210 MiB) is the model's 192 MiB, the totals 20-24% over.
 _FSDP2_NOTES = (
     "fully_shard runs fullshard's FSDP1 engine with parameters split on dim 0: this is the "
     "memory model of the FSDP1 strategy named above",
@@ -164,10 +162,7 @@ def make_plan(
     """Per-rank memory and communication of training ``shape`` (see the module docstring).
     With ``api="fsdp2"``, ``strategy`` is the one `fsdp2_strategy` names, and
     ``post_forward_shards`` is ``reshard_after_forward=k``'s ``k``."""
-    if api == "fsdp2" and strategy not in _FSDP2_STRATEGIES.values():
-        raise ValueError(f"fully_shard has no {strategy}; see fsdp2_strategy")
-    if post_forward_shards is not None and api != "fsdp2":
-        raise ValueError("post_forward_shards is fully_shard's reshard_after_forward=k")
+    _check_api(api, strategy, post_forward_shards)
     param_bytes = _DTYPE_BYTES[param_dtype]
     compute_dtype = param_dtype if mixed_precision == "none" else mixed_precision
     compute_bytes = _DTYPE_BYTES[compute_dtype]
@@ -188,10 +183,7 @@ def make_plan(
         shared_memory_cell_bytes=SHARED_MEMORY_CELL_BYTES if device == "cpu" else 0,
         post_forward_shards=post_forward_shards,
     )
-    memory, host = resident, 0
-    if cpu_offload:  # the model state moves to host memory; the rest stays on the device
-        host = resident.params + resident.grads + resident.optimizer
-        memory = replace(resident, params=0, grads=0, optimizer=0)
+    memory, host = _offloaded(resident) if cpu_offload else (resident, 0)
     return PlanResult(
         shape,
         world_size,
@@ -210,6 +202,19 @@ def make_plan(
         _FSDP2_NOTES if api == "fsdp2" else (),
         post_forward_shards,
     )
+
+
+def _offloaded(resident: MemoryEstimate) -> tuple[MemoryEstimate, int]:
+    """The model state moves to host memory (its bytes); the rest stays on the device."""
+    host = resident.params + resident.grads + resident.optimizer
+    return replace(resident, params=0, grads=0, optimizer=0), host
+
+
+def _check_api(api: str, strategy: str, post_forward_shards: int | None) -> None:
+    if api == "fsdp2" and strategy not in _FSDP2_STRATEGIES.values():
+        raise ValueError(f"fully_shard has no {strategy}; see fsdp2_strategy")
+    if post_forward_shards is not None and api != "fsdp2":
+        raise ValueError("post_forward_shards is fully_shard's reshard_after_forward=k")
 
 
 def _activations(
@@ -382,7 +387,7 @@ def _plot(plan_at: dict[int, PlanResult], path: str, device_memory: int | None) 
     fig.savefig(path, dpi=100)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model (one of)")
     model.add_argument("--preset", choices=sorted(PRESETS), help="a named shape")
     model.add_argument("--hf-config", metavar="PATH", help="a Hugging Face style config.json")
@@ -391,6 +396,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--d-model", type=int, help="with --params: hidden width")
     model.add_argument("--ffn", type=int, help="with --params: MLP width (default: gated 8/3 d)")
     model.add_argument("--vocab", type=int, default=32000, help="with --params (default 32000)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_model_arguments(parser)
     setup = parser.add_argument_group("setup")
     setup.add_argument("--world-size", type=int, default=8, help="ranks (default 8)")
     setup.add_argument(
@@ -489,6 +498,17 @@ def _post_forward_shards(
     return True, reshard_after_forward
 
 
+def _post_forward_at(args: argparse.Namespace, strategy: str, shard_ranks: int) -> int | None:
+    """``--reshard-after-forward K``'s ranks at a shard group of ``shard_ranks`` (a size of
+    ``--plot``'s sweep that K does not divide plans as true)."""
+    k = args.reshard_after_forward
+    if args.api != "fsdp2" or strategy not in ("FULL_SHARD", "HYBRID_SHARD"):
+        return None
+    if not isinstance(k, int) or isinstance(k, bool) or shard_ranks % k:
+        return None
+    return _post_forward_shards(k, shard_ranks)[1]
+
+
 def _strategy(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
     """The memory model's strategy: ``--strategy`` (fsdp1), or the one ``fully_shard``'s
     options amount to (fsdp2)."""
@@ -537,13 +557,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         group = args.shard_group_size
         if hybrid and group is not None:
             group = math.gcd(group, world_size)
-        post_forward = None
-        if args.api == "fsdp2" and strategy in ("FULL_SHARD", "HYBRID_SHARD"):
-            # a size in --plot's sweep that k does not divide plans as True
-            ranks = group or world_size
-            k = args.reshard_after_forward
-            if isinstance(k, int) and not isinstance(k, bool) and ranks % k == 0:
-                _, post_forward = _post_forward_shards(k, ranks)
         return make_plan(
             shape,
             world_size,
@@ -558,7 +571,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             activation_checkpointing=args.activation_checkpointing,
             device=args.device,
             api=args.api,
-            post_forward_shards=post_forward,
+            post_forward_shards=_post_forward_at(args, strategy, group or world_size),
         )
 
     plan = plan_for(args.world_size)
