@@ -72,19 +72,11 @@ class Dim0Unsharded:
             for tensor in tensors:
                 _free(tensor)
         self.tensors = tensors
-        self._rank_parts = [
-            [
-                (
-                    tensor.view(-1),
-                    *layout.rank_span(index, rank),
-                    layout.rank_row_start(index, rank),
-                )
-                for index, tensor in enumerate(tensors)
-            ]
-            for rank in range(layout.num_shards)
-        ]
-        """Per rank, per parameter: its flat view (on the same storage, so valid across
-        free and allocate), its span in that rank's shard, where that rank's rows start."""
+        self._rank_parts: dict[int, list[tuple[torch.Tensor, int, int, int]]] = {}
+        """Per rank that delivered to ``receive``, per parameter it holds rows of: the
+        parameter's flat view (on the same storage, so valid across free and allocate), its
+        span in that rank's shard, where that rank's rows start. Made at a rank's first
+        delivery: only the shared-memory sink reads it, for the ranks of one host."""
 
     def allocate(self) -> None:
         for tensor in self.tensors:
@@ -96,11 +88,22 @@ class Dim0Unsharded:
         padding dropped). The all-gather's sink (``collectives.gathers_into_sink``): one copy
         instead of the gathered buffer's two (into it, then out of it)."""
         end = start + data.numel()
-        for flat, first, last, row_start in self._rank_parts[rank]:
+        parts = self._rank_parts.get(rank)
+        if parts is None:
+            parts = self._rank_parts[rank] = self._parts_of(rank)
+        for flat, first, last, row_start in parts:
             lo, hi = max(first, start), min(last, end)
             if lo < hi:
                 at = row_start + lo - first
                 flat[at : at + hi - lo].copy_(data[lo - start : hi - start])
+
+    def _parts_of(self, rank: int) -> list[tuple[torch.Tensor, int, int, int]]:
+        layout, parts = self.layout, []
+        for index, tensor in enumerate(self.tensors):
+            first, last = layout.rank_span(index, rank)
+            if first < last:
+                parts.append((tensor.view(-1), first, last, layout.rank_row_start(index, rank)))
+        return parts
 
     def fill(self, gathered: torch.Tensor) -> None:
         """Copy each parameter out of the all-gathered buffer (copy-out)."""

@@ -88,13 +88,16 @@ def _assign_plain(module: nn.Module, name: str, tensor: torch.Tensor, unsafe: bo
 
 
 def _assign_param(module: nn.Module, name: str, param: nn.Parameter, unsafe: bool) -> None:
-    """Register ``param`` as ``module.<name>``: through the module's ``setattr`` where it has
-    its own (or when someone hooks parameter registration), else straight into its dicts,
-    which is what ``nn.Module.__setattr__`` would do, at a fraction of the cost (this runs
-    for every parameter at every reshard under ``use_orig_params`` and ``fully_shard``)."""
+    """Register ``param`` as ``module.<name>``: through the module's ``setattr`` where its
+    class has its own (or its own ``register_parameter``, or someone hooks parameter
+    registration), else straight into its dicts, which is what ``nn.Module.__setattr__``
+    would do, at a fraction of the cost (this runs for every parameter at every reshard
+    under ``use_orig_params`` and ``fully_shard``)."""
+    cls = type(module)
     if unsafe or (
-        type(module).__setattr__ is nn.Module.__setattr__
-        and type(module).__delattr__ is nn.Module.__delattr__
+        cls.__setattr__ is nn.Module.__setattr__
+        and cls.__delattr__ is nn.Module.__delattr__
+        and cls.register_parameter is nn.Module.register_parameter
         and not _global_parameter_registration_hooks
     ):
         module.__dict__.pop(name, None)
