@@ -25,7 +25,8 @@ gives the bytes one rank holds at its peak, split the way they are allocated:
   for the example GPT).
 - ``staging``: CPU ranks of one host only (``shared_memory_cell_bytes``): the pages of the
   shared-memory transport's file this rank writes and reads (see
-  [Note: shared-memory transport]): per slot, every rank's cell up to the largest piece.
+  [Note: shared-memory transport]): per slot, every rank's cell up to the largest piece;
+  with ``post_forward_shards`` also the file of this rank's group of ``k``.
 
 ``peak_added`` is what training adds on top of the parameters already built:
 ``grads + optimizer + unsharded + activations + staging``; the benchmark compares it with
@@ -169,12 +170,39 @@ def estimate(
         unsharded += sum(_shard(n, post_forward_shards) for n in unit_numels) * compute_bytes
     staging = 0
     if shared_memory_cell_bytes and name != "NO_SHARD" and shards > 1:
-        gather_piece = _shard(max(unit_numels, default=0), shards) * compute_bytes
-        grad_shard = _shard(max(trainable[:-1], default=0), shards)
-        reduce_piece = (shards - 1) * grad_shard * (reduce_bytes or compute_bytes)
-        piece = min(shared_memory_cell_bytes, max(gather_piece, reduce_piece))
-        staging = SHARED_MEMORY_SLOTS * shards * -(-piece // _PAGE) * _PAGE
+        staging = _staging(
+            unit_numels, trainable, shards, compute_bytes, reduce_bytes or compute_bytes,
+            shared_memory_cell_bytes, post_forward_shards,
+        )  # fmt: skip
     return MemoryEstimate(params, grads, optimizer, unsharded, activations, staging)
+
+
+def _staging(
+    unit_numels: list[int],
+    trainable: list[int],
+    shards: int,
+    compute_bytes: int,
+    reduce_bytes: int,
+    cell_bytes: int,
+    post_forward_shards: int | None,
+) -> int:
+    """The shared-memory files' pages a rank touches: its shard group's (the largest
+    gather or reduce-scatter piece) and, with ``post_forward_shards``, its k-rank group's."""
+    largest = max(unit_numels, default=0)
+    reduce_piece = (shards - 1) * _shard(max(trainable[:-1], default=0), shards) * reduce_bytes
+    gather_piece = _shard(largest, shards) * compute_bytes
+    staging = _file_bytes(shards, max(gather_piece, reduce_piece), cell_bytes)
+    if post_forward_shards:
+        k = post_forward_shards
+        staging += _file_bytes(k, _shard(largest, k) * compute_bytes, cell_bytes)
+    return staging
+
+
+def _file_bytes(ranks: int, piece: int, cell_bytes: int) -> int:
+    """The pages of a group's shared-memory file a rank touches: per slot, each rank's cell
+    up to the largest piece."""
+    touched = min(cell_bytes, piece)
+    return SHARED_MEMORY_SLOTS * ranks * -(-touched // _PAGE) * _PAGE
 
 
 def _unsharded_numel(

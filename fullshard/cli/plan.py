@@ -83,9 +83,9 @@ _FSDP2_STRATEGIES = {
 # ranks grows more under FSDP2 (`fullshard bench --config comm`: 1008 vs 955 MiB FULL_SHARD,
 # 1256 vs 1094 MiB SHARD_GRAD_OP; the plan's 842 and 1178 MiB are then 16% and 6% under):
 # the per-parameter blocks fragment the heap, which this model does not count.
-# reshard_after_forward=k adds every unit's parameters over k ranks. Measured on 4 CPU ranks,
-# the comm config's model, peak growth over 3 steps, 2 runs each: k=2 872-984 MiB per rank,
-# True 692-723 MiB; the difference (~210 MiB) is the model's 192 MiB, the totals 20-24% over.
+# reshard_after_forward=k adds every unit's parameters over k ranks (and, on CPU, the k-group's
+# file). 4 CPU ranks, the comm model, 2 runs: medians 922 (k=2) and 710 MiB (True) per rank,
+# 212 apart; the model: 766 and 542 MiB, 224 apart (totals 17% and 24% under, as above).
 _FSDP2_NOTES = (
     "fully_shard runs fullshard's FSDP1 engine with parameters split on dim 0: this is the "
     "memory model of the FSDP1 strategy named above",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fullshard import ShardingStrategy
+from fullshard._comm.constants import SHARED_MEMORY_SLOTS
 from fullshard.memory import communication_bytes, estimate, gpt_activations
 
 
@@ -106,6 +107,11 @@ def test_reshard_after_forward_to_k_ranks_keeps_a_kth_of_each_unit() -> None:
         hybrid.unsharded - estimate(units, 16, "HYBRID_SHARD", shard_group_size=8).unsharded
         == (500 + 500 + 501) * 4
     )
+    cell = 4 * 2**20  # CPU ranks of one host: the k-rank group's file as well
+    on_cpu = {"shared_memory_cell_bytes": cell}
+    big = [2**24] * 3
+    extra = estimate(big, world, post_forward_shards=2, **on_cpu).staging
+    assert extra - estimate(big, world, **on_cpu).staging == SHARED_MEMORY_SLOTS * 2 * cell
     for strategy, k in [
         ("SHARD_GRAD_OP", 4),
         ("FULL_SHARD", 3),
