@@ -72,6 +72,8 @@ class Dim0Unsharded:
             for tensor in tensors:
                 _free(tensor)
         self.tensors = tensors
+        self._flat: list[torch.Tensor] = []
+        """Each parameter's flat view, shared by the ranks' parts."""
         self._rank_parts: dict[int, list[tuple[torch.Tensor, int, int, int]]] = {}
         """Per rank that delivered to ``receive``, per parameter it holds rows of: the
         parameter's flat view (on the same storage, so valid across free and allocate), its
@@ -98,11 +100,13 @@ class Dim0Unsharded:
                 flat[at : at + hi - lo].copy_(data[lo - start : hi - start])
 
     def _parts_of(self, rank: int) -> list[tuple[torch.Tensor, int, int, int]]:
+        if len(self._flat) != len(self.tensors):
+            self._flat = [tensor.view(-1) for tensor in self.tensors]
         layout, parts = self.layout, []
-        for index, tensor in enumerate(self.tensors):
+        for index, flat in enumerate(self._flat):
             first, last = layout.rank_span(index, rank)
             if first < last:
-                parts.append((tensor.view(-1), first, last, layout.rank_row_start(index, rank)))
+                parts.append((flat, first, last, layout.rank_row_start(index, rank)))
         return parts
 
     def fill(self, gathered: torch.Tensor) -> None:
