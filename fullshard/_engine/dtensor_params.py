@@ -76,6 +76,11 @@ class DTensorParams:
         dim = self.dims[index]
         return tensor.movedim(dim, 0) if dim else tensor
 
+    def from_layout(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        """``to_layout`` undone: a tensor in the layout's orientation as parameter ``index``."""
+        dim = self.dims[index]
+        return tensor.movedim(0, dim) if dim else tensor
+
     def layout_shape(self, index: int) -> torch.Size:
         return self._layout_shapes[index]
 
@@ -83,9 +88,7 @@ class DTensorParams:
         """``piece`` (flat, in layout order) as parameter ``index``'s local tensor."""
         rest = self._layout_shapes[index][1:]
         row_numel = max(1, rest.numel())
-        local = piece.view(piece.numel() // row_numel, *rest)
-        dim = self.dims[index]
-        return local.movedim(0, dim) if dim else local
+        return self.from_layout(index, piece.view(piece.numel() // row_numel, *rest))
 
     def wrap(self, index: int, piece: torch.Tensor) -> DTensor:
         """Parameter ``index``'s DTensor over ``piece`` (its chunk of a shard, flat)."""

@@ -189,9 +189,7 @@ class FlatParamHandle(OrigParamViews, GradReduction):
 
     def _from_layout(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
         dtensors = self._dtensor_params
-        if dtensors is None or not dtensors.dims[index]:
-            return tensor
-        return tensor.movedim(0, dtensors.dims[index])
+        return tensor if dtensors is None else dtensors.from_layout(index, tensor)
 
     def _set_dtypes(self, orig_dtype: torch.dtype) -> None:
         """Resolve the three dtypes of [Note: mixed precision] from the parameters' dtype."""

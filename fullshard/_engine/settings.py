@@ -59,10 +59,10 @@ class Settings:
     """FSDP2 (``fully_shard``): parameters split on dim 0 over this mesh, DTensors outside
     forward and backward (see dtensor_params.py); None for FSDP1's flat parameters."""
     dtensor_shard_dim: Callable[[nn.Parameter], int] | None = None
+    """FSDP2: the dim each parameter is sharded on (``shard_placement_fn``'s; None: dim 0)."""
     post_forward_group: dist.ProcessGroup | None = None
     """FSDP2's ``reshard_after_forward=k``: the ``k`` ranks parameters stay sharded over
     between forward and backward (None: over the whole shard group, or unsharded)."""
-    """FSDP2: the dim each parameter is sharded on (``shard_placement_fn``'s; None: dim 0)."""
 
     @property
     def use_full_prec_in_eval(self) -> bool:

@@ -130,9 +130,14 @@ def _compare(reshard_after_forward: bool | None, mixed: bool, offload: bool, hsd
             torch.testing.assert_close(our_params[name], value, rtol=1e-5, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("reshard_after_forward", [None, True, False])
-@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def _parity_matrix(test: Any) -> Any:
+    """reshard_after_forward x mixed precision x offload, the parity tests' matrix."""
+    test = pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])(test)
+    test = pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16"])(test)
+    return pytest.mark.parametrize("reshard_after_forward", [None, True, False])(test)
+
+
+@_parity_matrix
 def test_parity_on_two_ranks(
     reshard_after_forward: bool | None, mixed: bool, offload: bool
 ) -> None:
@@ -141,18 +146,14 @@ def test_parity_on_two_ranks(
     run_on_ranks(2, _compare, reshard_after_forward, mixed, offload, False)
 
 
-@pytest.mark.parametrize("reshard_after_forward", [None, True, False])
-@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+@_parity_matrix
 def test_parity_on_three_ranks(
     reshard_after_forward: bool | None, mixed: bool, offload: bool
 ) -> None:
     run_on_ranks(3, _compare, reshard_after_forward, mixed, offload, False)
 
 
-@pytest.mark.parametrize("reshard_after_forward", [None, True, False])
-@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+@_parity_matrix
 def test_parity_hsdp_on_a_2x2_mesh(
     reshard_after_forward: bool | None, mixed: bool, offload: bool
 ) -> None:
