@@ -121,8 +121,8 @@ class FullyShardedDataParallel(TorchAttributes, StateDictMethods, nn.Module):
             raise ValueError(
                 "the module is already a FullyShardedDataParallel instance; wrap it only once"
             )
+        settings = resolve_settings(kwargs, manual=auto_wrap_policy is None)
         _supersede_previous_wrapper(module)
-        settings = resolve_settings(kwargs)
         watch_optimizers()
         _dcp_state_dict.install_when_imported()  # torch's checkpoint API sees the units
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)):

@@ -113,9 +113,13 @@ def _groups_from_mesh(device_mesh: Any, hybrid: bool) -> ShardingGroups:
 
 
 def resolve_groups(
-    strategy: ShardingStrategy, process_group: Any, device_mesh: Any
+    strategy: ShardingStrategy, process_group: Any, device_mesh: Any, *, manual: bool = False
 ) -> ShardingGroups:
-    """Turn ``process_group`` / ``device_mesh`` into the unit's shard and replicate groups."""
+    """Turn ``process_group`` / ``device_mesh`` into the unit's shard and replicate groups.
+
+    ``manual``: the unit is wrapped by hand (no ``auto_wrap_policy``), where torch refuses a
+    hybrid strategy without groups; auto-wrapped units get the root's default groups.
+    """
     if not dist.is_initialized():
         raise RuntimeError(
             "fullshard needs torch.distributed initialised: call "
@@ -130,6 +134,13 @@ def resolve_groups(
             )
         return _groups_from_mesh(device_mesh, hybrid)
     if hybrid:
+        if process_group is None and manual:
+            raise ValueError(
+                f"Manual wrapping with {strategy} requires explicit specification of process "
+                "group or device_mesh. Pass process_group=(shard_group, replicate_group) or a "
+                "2-D device_mesh (replicate, shard) to every unit, or wrap with an "
+                "auto_wrap_policy, which shards each unit within the node"
+            )
         if process_group is None:
             return ShardingGroups(*_default_hybrid_groups())
         if not (isinstance(process_group, tuple) and len(process_group) == 2):
@@ -137,7 +148,8 @@ def resolve_groups(
                 "Expected process_group to be passed in as either None or "
                 "Tuple[dist.ProcessGroup, dist.ProcessGroup] but got "
                 f"{type(process_group)}: {strategy} shards over the first group and "
-                "replicates over the second (None: shard within each node)"
+                "replicates over the second (None, with an auto_wrap_policy: shard within "
+                "each node)"
             )
         return ShardingGroups(process_group[0], process_group[1])
     if isinstance(process_group, tuple):

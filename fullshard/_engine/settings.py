@@ -126,7 +126,9 @@ def is_group_like(group: Any) -> bool:
     return callable(getattr(group, "rank", None)) and callable(getattr(group, "size", None))
 
 
-def resolve_settings(kwargs: dict[str, Any]) -> Settings:
+def resolve_settings(kwargs: dict[str, Any], *, manual: bool = False) -> Settings:
+    """Validate the FSDP1 constructor's options; ``manual``: no auto_wrap_policy built this
+    unit or was given to it (torch then requires explicit hybrid groups)."""
     unknown = set(kwargs) - _CONSTRUCTOR_OPTIONS
     if unknown:
         raise TypeError(
@@ -145,7 +147,7 @@ def resolve_settings(kwargs: dict[str, Any]) -> Settings:
         )
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"device_mesh must be a torch.distributed.DeviceMesh or None, got {mesh!r}")
-    groups = resolve_groups(strategy, process_group, mesh)
+    groups = resolve_groups(strategy, process_group, mesh, manual=manual)
     cpu_offload = kwargs.get("cpu_offload")
     if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
         raise TypeError(f"cpu_offload must be a fullshard.CPUOffload or None, got {cpu_offload!r}")

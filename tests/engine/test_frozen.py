@@ -35,7 +35,7 @@ from fullshard import FullyShardedDataParallel as FSDP
 from fullshard._comm.collectives import COUNTERS
 from fullshard.wrap import ModuleWrapPolicy
 from harness import run_on_ranks
-from models import LoRABlock, LoRAStack
+from models import LoRABlock, LoRAStack, strategy_kwargs
 
 FLAT = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
 HYBRID = ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
@@ -739,10 +739,7 @@ def _freeze_after_wrapping(strategy: str, use_orig_params: bool) -> None:
     end with the same parameters and the same gradients at every step."""
     local = _TrunkHead()
     model = _TrunkHead()
-    kwargs: dict[str, Any] = {
-        "sharding_strategy": ShardingStrategy[strategy],
-        "use_orig_params": use_orig_params,
-    }
+    kwargs: dict[str, Any] = {**strategy_kwargs(strategy), "use_orig_params": use_orig_params}
     model.trunk = FSDP(model.trunk, **kwargs)  # type: ignore[assignment]
     model.head = FSDP(model.head, **kwargs)  # type: ignore[assignment]
     fsdp = FSDP(model, **kwargs)

@@ -357,6 +357,13 @@ CONSTRUCTION: dict[str, Case] = {
         "ShardingStrategy.HYBRID_SHARD shards over the first group and replicates over the "
         "second",
     ),
+    "hybrid_shard_wrapped_by_hand_without_groups": (
+        lambda: FSDP(_mlp(), sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2),
+        ValueError,
+        "Manual wrapping with ShardingStrategy._HYBRID_SHARD_ZERO2 requires explicit "
+        "specification of process group or device_mesh. Pass process_group=(shard_group, "
+        "replicate_group) or a 2-D device_mesh",
+    ),
     "group_pair_without_hybrid_shard": (
         lambda: FSDP(_mlp(), process_group=(dist.group.WORLD, dist.group.WORLD)),
         ValueError,

@@ -23,13 +23,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fullshard import CPUOffload, MixedPrecision, ShardingStrategy
+from fullshard import CPUOffload, MixedPrecision
 from fullshard import FullyShardedDataParallel as FSDP
 from fullshard._comm.collectives import COUNTERS
 from fullshard._engine.unit import handles_in as _get_fsdp_handles
 from fullshard.wrap import ModuleWrapPolicy
 from harness import run_on_ranks
-from models import HYBRID_STRATEGY_NAMES, STRATEGY_NAMES, NestedWrappedModule, nested_wrap
+from models import (
+    HYBRID_STRATEGY_NAMES,
+    STRATEGY_NAMES,
+    NestedWrappedModule,
+    nested_wrap,
+    strategy_kwargs,
+)
 from parity import check_ddp_parity
 
 STRATEGIES = STRATEGY_NAMES + HYBRID_STRATEGY_NAMES
@@ -40,7 +46,7 @@ BF16_TOL = {"rtol": 1.6e-2, "atol": 1e-5}  # torch.testing's defaults for bfloat
 def _nested_fsdp(strategy: str, **kwargs: Any) -> FSDP:
     torch.manual_seed(0)
     model = NestedWrappedModule()
-    kwargs["sharding_strategy"] = ShardingStrategy[strategy]
+    kwargs.update(strategy_kwargs(strategy))
     nested_wrap(model, lambda m: FSDP(m, **kwargs))
     return FSDP(model, **kwargs)
 
@@ -353,7 +359,7 @@ def test_invalid_precision_and_offload_arguments_raise() -> None:
 
 def _offload_parity(strategy: str, use_orig_params: bool) -> None:
     kwargs = {
-        "sharding_strategy": ShardingStrategy[strategy],
+        **strategy_kwargs(strategy),
         "use_orig_params": use_orig_params,
         "cpu_offload": CPUOffload(offload_params=True),
     }

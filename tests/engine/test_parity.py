@@ -20,6 +20,7 @@ from models import (
     NestedWrappedModule,
     TransformerWithSharedParams,
     nested_wrap,
+    strategy_kwargs,
     transformer_layer_classes,
 )
 from parity import check_ddp_parity
@@ -96,6 +97,8 @@ def _run_parity(
         "use_orig_params": use_orig_params,
         **_process_group(hybrid_groups),
     }
+    if nesting in ("none", "by_hand") and hybrid_groups is None:
+        fsdp_kwargs.update(strategy_kwargs(strategy))  # hybrid by hand: explicit groups
     return check_ddp_parity(
         MODELS[model_name], lambda m: _wrap(m, nesting, fsdp_kwargs), optim_kwargs=ADAM_KWARGS
     )
@@ -148,14 +151,23 @@ def test_ddp_parity_four_ranks_hybrid_2x2(
 
 
 def _hybrid_group_sizes() -> tuple[int, int]:
-    model = FSDP(NestedWrappedModule(), sharding_strategy=ShardingStrategy.HYBRID_SHARD)
-    assert model._handle is not None
-    groups = model._handle.groups
-    return groups.shard_size, groups.replicate_size
+    model = FSDP(
+        NestedWrappedModule(),
+        sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+    )
+    sizes = {
+        (u._handle.groups.shard_size, u._handle.groups.replicate_size)
+        for u in FSDP.fsdp_modules(model)
+        if u._handle is not None
+    }
+    assert len(sizes) == 1, sizes
+    return sizes.pop()
 
 
 def test_hybrid_default_groups_follow_local_world_size() -> None:
-    """Without process_group, HYBRID_SHARD shards within LOCAL_WORLD_SIZE ranks."""
+    """Without process_group, an auto-wrapped HYBRID_SHARD model shards every unit within
+    LOCAL_WORLD_SIZE ranks (wrapped by hand, it needs explicit groups, as in torch)."""
     sizes = run_on_ranks(4, _hybrid_group_sizes, env={"LOCAL_WORLD_SIZE": "2"}, timeout=240)
     assert sizes == [(2, 2)] * 4
 

@@ -22,10 +22,13 @@ Shapes follow common_fsdp so ported tests keep their numbers:
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from fullshard import ShardingStrategy
@@ -45,6 +48,7 @@ __all__ = [
     "TransformerWithSharedParams",
     "input_generator",
     "nested_wrap",
+    "strategy_kwargs",
     "tiny_llama",
     "transformer_layer_classes",
 ]
@@ -57,6 +61,33 @@ STRATEGIES = [
 """The strategies over one process group (the hybrid ones need a second: HYBRID_STRATEGY_NAMES)."""
 STRATEGY_NAMES = [strategy.name for strategy in STRATEGIES]
 HYBRID_STRATEGY_NAMES = ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
+
+_NODE_GROUPS: dict[dist.ProcessGroup, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+def _node_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(shard within a node of LOCAL_WORLD_SIZE ranks, replicate across nodes), made once per
+    default group, every group on every rank in the same order (as new_group requires)."""
+    world = dist.group.WORLD
+    assert world is not None
+    if world not in _NODE_GROUPS:
+        size, local = dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+        local = local or size
+        nodes = [dist.new_group(list(range(n, n + local))) for n in range(0, size, local)]
+        replicas = [dist.new_group(list(range(r, size, local))) for r in range(local)]
+        rank = dist.get_rank()
+        _NODE_GROUPS[world] = (nodes[rank // local], replicas[rank % local])
+    return _NODE_GROUPS[world]
+
+
+def strategy_kwargs(strategy: str) -> dict[str, Any]:
+    """FSDP1 options for wrapping by hand with ``strategy`` (a ShardingStrategy name): the
+    hybrid strategies also get explicit node-local (shard, replicate) groups, since a
+    hand-wrapped hybrid unit without them is refused (as by torch)."""
+    kwargs: dict[str, Any] = {"sharding_strategy": ShardingStrategy[strategy]}
+    if strategy in HYBRID_STRATEGY_NAMES:
+        kwargs["process_group"] = _node_groups()
+    return kwargs
 
 
 class LinearBlock(nn.Module):
