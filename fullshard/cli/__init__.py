@@ -15,6 +15,7 @@ The command-line layer: it may import the engine, never the reverse (tests/unit/
 
 from __future__ import annotations
 
+import os
 import sys
 
 __all__ = ["main"]
@@ -33,6 +34,16 @@ commands:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        status = _run(argv)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return status
+    except BrokenPipeError:  # the reader went away (`fullshard plan ... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 128 + 13  # what a shell reports for SIGPIPE
+
+
+def _run(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_USAGE, end="")
         return 0 if argv else 2

@@ -143,6 +143,20 @@ def test_plan_answers_70b_on_512_gpus_without_torch(tmp_path: Path) -> None:
     assert (tmp_path / "plan.png").stat().st_size > 10_000
 
 
+def test_output_into_a_closed_pipe_stops_quietly() -> None:
+    """``fullshard plan ... | head -1``: the reader has closed the pipe; the command stops
+    with 141 (a shell's SIGPIPE status) and no traceback (before: BrokenPipeError's)."""
+    with subprocess.Popen(
+        [*FULLSHARD, "plan", "--preset", "llama2-7b", "--world-size", "8"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, bufsize=0,
+    ) as command:  # fmt: skip
+        assert command.stdout is not None and command.stderr is not None
+        command.stdout.close()  # before the command has written anything (it imports first)
+        stderr = command.stderr.read().decode()
+        assert command.wait(timeout=60) == 141, stderr
+    assert stderr == "", stderr
+
+
 def test_plan_needs_one_model_and_says_which_flags() -> None:
     """No model, two models, or --params without its shape: an argparse error naming flags."""
     for args, message in [
