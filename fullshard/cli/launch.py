@@ -21,7 +21,12 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from . import reshard_flag
+
+if TYPE_CHECKING:
+    from .train_options import TrainConfig
 
 __all__ = ["main"]
 
@@ -197,13 +202,29 @@ def main(argv: list[str]) -> int:
                 "without --out each machine would name its own from its clock)"
             )
         config = replace(config, out=time.strftime("runs/%Y%m%d-%H%M%S"))
-    problem = checkpoint_problem(config, config.resume)
+    problem = checkpoint_problem(config, config.resume) or _reshard_problem(config, args)
     if problem is not None:  # refused before any rank starts
         parser.error(problem)
     launch_args, worker_argv = launcher.parse_known_args(argv)
     worker_argv = [*worker_argv, "--out", str(config.out)]  # the last --out wins
     launch = [*_launcher_argv(launch_args, parser), "-m", "fullshard.cli.train", *worker_argv]
     return _launch(launch, Path(str(config.out)))
+
+
+def _reshard_problem(config: TrainConfig, args: argparse.Namespace) -> str | None:
+    """An int ``--reshard-after-forward`` that fully_shard would refuse on every rank: not a
+    factor of the shard group's ranks (a node's for HYBRID_SHARD, else the world's; an
+    elastic ``--nnodes MIN:MAX`` world is left to the ranks)."""
+    shard_ranks = args.nproc_per_node
+    if config.sharding_strategy != "HYBRID_SHARD":
+        if not args.nnodes.isdigit():
+            return None
+        shard_ranks *= int(args.nnodes)
+    problem = reshard_flag.factor_problem(config.reshard_after_forward, shard_ranks)
+    if problem is None:
+        return None
+    where = "ranks per node" if config.sharding_strategy == "HYBRID_SHARD" else "ranks"
+    return f"--reshard-after-forward: {problem} (the shard group's {where})"
 
 
 def _loopback_listener(host_name: str, port: int) -> tuple[int, int]:

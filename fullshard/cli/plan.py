@@ -33,6 +33,7 @@ from ..memory import (
     estimate,
     transformer_activations,
 )
+from . import reshard_flag
 from .plan_shapes import (
     PRESETS,
     ModelShape,
@@ -412,11 +413,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     setup.add_argument(
         "--strategy", choices=STRATEGIES, default=None, help="fsdp1 (default FULL_SHARD)"
     )
-    setup.add_argument(
-        "--reshard-after-forward",
-        type=_reshard_after_forward,
-        default=None,
-        metavar="{true,false,K}",
+    reshard_flag.add_argument(
+        setup,
         help="fsdp2 (default true): true plans as FULL_SHARD, false as SHARD_GRAD_OP, an int K "
         "(a factor of the shard group's ranks) as FULL_SHARD plus the parameters kept sharded "
         "over K ranks from forward to backward",
@@ -471,33 +469,6 @@ def _shape(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelSh
     )
 
 
-def _reshard_after_forward(text: str) -> bool | int:
-    if text in ("true", "false"):
-        return text == "true"
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"true, false or a group size, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"a group size is at least 1, not {value}")
-    return value
-
-
-def _post_forward_shards(
-    reshard_after_forward: bool | int | None, shard_ranks: int
-) -> tuple[bool, int | None]:
-    """``reshard_after_forward`` as fully_shard reads it for ``shard_ranks`` ranks: whether it
-    reshards after forward, and to how many ranks when fewer than all (1 means False, as
-    torch says when it warns, and ``shard_ranks`` means True)."""
-    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
-        return reshard_after_forward is not False, None
-    if reshard_after_forward == 1:
-        return False, None
-    if reshard_after_forward >= shard_ranks:
-        return True, None
-    return True, reshard_after_forward
-
-
 def _post_forward_at(args: argparse.Namespace, strategy: str, shard_ranks: int) -> int | None:
     """``--reshard-after-forward K``'s ranks at a shard group of ``shard_ranks`` (a size of
     ``--plot``'s sweep that K does not divide plans as true)."""
@@ -506,7 +477,7 @@ def _post_forward_at(args: argparse.Namespace, strategy: str, shard_ranks: int) 
         return None
     if not isinstance(k, int) or isinstance(k, bool) or shard_ranks % k:
         return None
-    return _post_forward_shards(k, shard_ranks)[1]
+    return reshard_flag.post_forward_shards(k, shard_ranks)[1]
 
 
 def _strategy(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
@@ -527,13 +498,13 @@ def _strategy(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
         )
     shard_ranks = args.shard_group_size or args.world_size
     k = args.reshard_after_forward
-    if isinstance(k, int) and not isinstance(k, bool) and (k > shard_ranks or shard_ranks % k):
+    problem = reshard_flag.factor_problem(k, shard_ranks)
+    if problem:
         parser.error(
-            "If passing reshard_after_forward as an int, it should be a factor of "
-            f"{shard_ranks}, not {k} (--reshard-after-forward: the ranks of the shard group, "
+            f"{problem} (--reshard-after-forward: the ranks of the shard group, "
             "--shard-group-size or else --world-size)"
         )
-    reshard, _ = _post_forward_shards(k, shard_ranks)
+    reshard, _ = reshard_flag.post_forward_shards(k, shard_ranks)
     return fsdp2_strategy(reshard, two_d_mesh=args.shard_group_size is not None)
 
 

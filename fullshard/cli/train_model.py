@@ -10,8 +10,9 @@ The FSDP options map onto FSDP2's (`fsdp2_options`):
 
 - ``--sharding-strategy FULL_SHARD``: ``reshard_after_forward=True`` on a 1-D mesh;
   ``SHARD_GRAD_OP``: ``reshard_after_forward=False``; ``HYBRID_SHARD``: a 2-D (replicate,
-  shard) mesh (`hybrid_mesh`, as for FSDP1) with ``reshard_after_forward=True``. NO_SHARD
-  and ``--use-orig-params`` have no FSDP2 counterpart here: the options refuse them.
+  shard) mesh (`hybrid_mesh`, as for FSDP1) with ``reshard_after_forward=True``.
+  ``--reshard-after-forward false`` or ``K`` replaces FULL_SHARD's and HYBRID_SHARD's True.
+  NO_SHARD and ``--use-orig-params`` have no FSDP2 counterpart here: the options refuse them.
 - ``--mixed-precision bf16``: ``MixedPrecisionPolicy(param_dtype=bfloat16)``, whose
   reduction dtype (None) defaults to the parameter dtype, as FSDP1's
   ``MixedPrecision(param_dtype=bfloat16)`` does: both reduce gradients in bf16.
@@ -111,7 +112,7 @@ def fsdp2_options(config: TrainConfig) -> dict[str, Any]:
     docstring). Pure: no process group needed."""
     offload: OffloadPolicy = CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy()
     return {
-        "reshard_after_forward": config.sharding_strategy != "SHARD_GRAD_OP",
+        "reshard_after_forward": config.fsdp2_reshard,
         "mp_policy": POLICIES[config.mixed_precision],
         "offload_policy": offload,
     }

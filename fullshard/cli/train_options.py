@@ -17,6 +17,7 @@ import torch
 
 from ..api import MixedPrecision
 from ..examples.gpt import GPTConfig
+from . import reshard_flag
 from .plan import PRESETS
 
 _STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
@@ -60,6 +61,16 @@ class TrainConfig:
     overwrite: bool
     sample_bytes: int
     timeout_s: float = 300.0
+    reshard_after_forward: bool | int | None = None
+    """fsdp2's ``--reshard-after-forward``; None: from the strategy (`fsdp2_reshard`)."""
+
+    @property
+    def fsdp2_reshard(self) -> bool | int:
+        """fully_shard's ``reshard_after_forward``: the flag's, else SHARD_GRAD_OP's False and
+        the other strategies' True."""
+        if self.reshard_after_forward is not None:
+            return self.reshard_after_forward
+        return self.sharding_strategy != "SHARD_GRAD_OP"
 
     def gpt(self) -> GPTConfig:
         shape = PRESETS[self.preset]
@@ -126,6 +137,12 @@ def _add_fsdp_arguments(parser: argparse.ArgumentParser) -> None:
         "--sharding-strategy", "--strategy", choices=_STRATEGIES, default="FULL_SHARD"
     )
     fsdp.add_argument("--use-orig-params", action="store_true", help="fsdp1 only")
+    reshard_flag.add_argument(
+        fsdp,
+        help="fsdp2 only, with FULL_SHARD or HYBRID_SHARD (default true): false keeps each "
+        "block unsharded from forward to backward; an int K (a factor of the shard group's "
+        "ranks) keeps it sharded over K ranks, whose all-gathers then run within those ranks",
+    )
     fsdp.add_argument(
         "--mixed-precision",
         choices=tuple(PRECISIONS),
@@ -181,6 +198,11 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.api == "fsdp2":
         _check_fsdp2(args, parser)
+    elif args.reshard_after_forward is not None:
+        parser.error(
+            "--reshard-after-forward is fully_shard's option: add --api fsdp2, or with --api "
+            "fsdp1 use --sharding-strategy FULL_SHARD (true) or SHARD_GRAD_OP (false)"
+        )
     if args.resume and args.overwrite:
         parser.error("--resume and --overwrite contradict each other; pick one")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -215,6 +237,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         overwrite=args.overwrite,
         sample_bytes=args.sample_bytes,
         timeout_s=args.timeout,
+        reshard_after_forward=args.reshard_after_forward,
     )
 
 
@@ -232,4 +255,9 @@ def _check_fsdp2(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
             "--use-orig-params has no --api fsdp2 meaning: fully_shard always keeps the "
             "original parameters (as DTensors sharded on dim 0). Drop --use-orig-params, or "
             "use --api fsdp1"
+        )
+    if args.sharding_strategy == "SHARD_GRAD_OP" and args.reshard_after_forward is not None:
+        parser.error(
+            "--sharding-strategy SHARD_GRAD_OP already means --reshard-after-forward false: "
+            "drop one (--reshard-after-forward applies to FULL_SHARD and HYBRID_SHARD)"
         )

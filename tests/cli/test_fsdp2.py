@@ -146,6 +146,51 @@ def test_train_fsdp2_refuses_fsdp1_only_options() -> None:
         assert message in result.stderr and "use --api fsdp1" in result.stderr, result.stderr
 
 
+def test_train_fsdp2_reshard_after_forward_to_k_ranks(tmp_path: Path) -> None:
+    """``--reshard-after-forward 2`` on 4 ranks reaches fully_shard (the log and the report
+    say so) and trains the losses of ``true``: between forward and backward each block is
+    kept over 2 ranks, which changes what is gathered where, not the numbers."""
+    runs = {}
+    for k in ("2", "true"):
+        out = tmp_path / k
+        args = ["--ranks", "4", "--steps", "3", "--checkpoint-every", "0", "--api", "fsdp2",
+                "--reshard-after-forward", k, "--out", str(out)]  # fmt: skip
+        result = _run(["train", *TINY, *args], timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        sharding = f"FULL_SHARD as fully_shard(reshard_after_forward={k.title()}) on a 1-D mesh"
+        assert f"4 ranks, {sharding}" in result.stdout, result.stdout[-3000:]
+        runs[k] = json.loads((out / "report.json").read_text())
+        assert runs[k]["sharding"] == sharding
+    losses, want = runs["2"]["losses"], runs["true"]["losses"]
+    assert len(losses) == len(want) == 3
+    for a, b in zip(losses, want):
+        assert abs(a - b) <= 1e-5 * abs(b), (losses, want)
+
+
+def test_train_reshard_after_forward_misuse_is_refused_before_the_ranks_start() -> None:
+    """--reshard-after-forward with --api fsdp1, with SHARD_GRAD_OP (which already means
+    false), or as an int that is not a factor of the ranks: exit status 2, naming the fix
+    (the last in torch's words)."""
+    for args, message in [
+        (["--reshard-after-forward", "2"], "--reshard-after-forward is fully_shard's option: "
+         "add --api fsdp2, or with --api fsdp1 use --sharding-strategy FULL_SHARD (true) or "
+         "SHARD_GRAD_OP (false)"),
+        (["--api", "fsdp2", "--strategy", "SHARD_GRAD_OP", "--reshard-after-forward", "2"],
+         "--sharding-strategy SHARD_GRAD_OP already means --reshard-after-forward false: drop "
+         "one"),
+        (["--api", "fsdp2", "--reshard-after-forward", "3"], "--reshard-after-forward: If "
+         "passing reshard_after_forward as an int, it should be a factor of 2, not 3 (the "
+         "shard group's ranks)"),
+        (["--api", "fsdp2", "--strategy", "HYBRID_SHARD", "--ranks", "4", "--nnodes", "1",
+          "--reshard-after-forward", "3"], "it should be a factor of 4, not 3 (the shard "
+         "group's ranks per node)"),
+    ]:  # fmt: skip
+        result = _run(["train", *TINY, *args], timeout=120)
+        assert result.returncode == 2, (args, result.stderr[-2000:])
+        assert message in result.stderr, result.stderr[-2000:]
+        assert "Traceback" not in result.stderr
+
+
 # -- plan -----------------------------------------------------------------------------------
 
 
