@@ -69,7 +69,7 @@ class DTensorParams:
             for index, shape in enumerate(shapes)
         ]
         self._specs: dict[tuple[int, torch.dtype], DTensorSpec] = {}
-        """(parameter, dtype) -> the spec its gradients share (see ``wrap_grad``)."""
+        """(parameter, dtype) -> the spec its DTensors share (see ``wrap``)."""
 
     def to_layout(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
         """Parameter ``index`` (or its gradient) in the orientation the layout splits on dim 0."""
@@ -90,29 +90,22 @@ class DTensorParams:
         row_numel = max(1, rest.numel())
         return self.from_layout(index, piece.view(piece.numel() // row_numel, *rest))
 
-    def wrap(self, index: int, piece: torch.Tensor) -> DTensor:
-        """Parameter ``index``'s DTensor over ``piece`` (its chunk of a shard, flat)."""
-        return DTensor.from_local(
-            self._local(index, piece),
-            self.mesh,
-            self._placements[index],
-            run_check=False,
-            shape=self._shapes[index],
-            stride=self._strides[index],
-        )
+    def wrap(self, index: int, piece: torch.Tensor, requires_grad: bool = False) -> DTensor:
+        """Parameter ``index``'s DTensor (a sharded parameter or gradient) over ``piece``, its
+        chunk of a shard (flat), which stays where it is.
 
-    def wrap_grad(self, index: int, piece: torch.Tensor) -> DTensor:
-        """Parameter ``index``'s sharded gradient over ``piece``: ``wrap`` 's DTensor, built
-        directly on a spec made once per parameter and dtype (as torch's FSDP2 does), since
-        every backward makes one per parameter: ``from_local`` runs an autograd function and
-        makes a new spec each time."""
+        Built directly on a spec made once per parameter and dtype, as torch's FSDP2 does,
+        not with ``DTensor.from_local``: that copies a local tensor on another device than
+        the mesh's to the mesh's device (a CPU-offloaded shard on a CUDA mesh would become a
+        GPU copy, no longer a view of the flat shard), and it runs an autograd function and
+        makes a new spec per call, while every backward makes a gradient per parameter."""
         key = (index, piece.dtype)
         spec = self._specs.get(key)
         if spec is None:
             meta = TensorMeta(self._shapes[index], self._strides[index], piece.dtype)
             spec = DTensorSpec(self.mesh, self._placements[index], tensor_meta=meta)
             self._specs[key] = spec
-        return DTensor(self._local(index, piece), spec, requires_grad=False)
+        return DTensor(self._local(index, piece), spec, requires_grad=requires_grad)
 
     def make_param(self, index: int, piece: torch.Tensor, requires_grad: bool) -> nn.Parameter:
         return nn.Parameter(self.wrap(index, piece.detach()), requires_grad=requires_grad)

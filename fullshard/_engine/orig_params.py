@@ -187,7 +187,7 @@ class OrigParamViews:
     def _sharded_grad(self, index: int, view: torch.Tensor) -> torch.Tensor:
         """What parameter ``index``'s ``.grad`` is, given its piece of the sharded gradient."""
         dtensors = self._dtensor_params
-        return view if dtensors is None else dtensors.wrap_grad(index, view)
+        return view if dtensors is None else dtensors.wrap(index, view)
 
     def register_orig_params(self) -> None:
         """After a forward that keeps the unit unsharded until backward (the root, or
