@@ -90,7 +90,7 @@ class DTensorParams:
         row_numel = max(1, rest.numel())
         return self.from_layout(index, piece.view(piece.numel() // row_numel, *rest))
 
-    def wrap(self, index: int, piece: torch.Tensor, requires_grad: bool = False) -> DTensor:
+    def wrap(self, index: int, piece: torch.Tensor) -> DTensor:
         """Parameter ``index``'s DTensor (a sharded parameter or gradient) over ``piece``, its
         chunk of a shard (flat), which stays where it is.
 
@@ -105,7 +105,7 @@ class DTensorParams:
             meta = TensorMeta(self._shapes[index], self._strides[index], piece.dtype)
             spec = DTensorSpec(self.mesh, self._placements[index], tensor_meta=meta)
             self._specs[key] = spec
-        return DTensor(self._local(index, piece), spec, requires_grad=requires_grad)
+        return DTensor(self._local(index, piece), spec, requires_grad=False)
 
     def make_param(self, index: int, piece: torch.Tensor, requires_grad: bool) -> nn.Parameter:
         return nn.Parameter(self.wrap(index, piece.detach()), requires_grad=requires_grad)

@@ -62,22 +62,23 @@ STRATEGIES = [
 STRATEGY_NAMES = [strategy.name for strategy in STRATEGIES]
 HYBRID_STRATEGY_NAMES = ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
 
-_NODE_GROUPS: dict[dist.ProcessGroup, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+_NODE_GROUPS: dict[tuple[dist.ProcessGroup, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 
 def _node_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """(shard within a node of LOCAL_WORLD_SIZE ranks, replicate across nodes), made once per
-    default group, every group on every rank in the same order (as new_group requires)."""
+    default group and local size, every group on every rank in the same order (as new_group
+    requires)."""
     world = dist.group.WORLD
     assert world is not None
-    if world not in _NODE_GROUPS:
-        size, local = dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-        local = local or size
+    size = dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or size
+    if (world, local) not in _NODE_GROUPS:
         nodes = [dist.new_group(list(range(n, n + local))) for n in range(0, size, local)]
         replicas = [dist.new_group(list(range(r, size, local))) for r in range(local)]
         rank = dist.get_rank()
-        _NODE_GROUPS[world] = (nodes[rank // local], replicas[rank % local])
-    return _NODE_GROUPS[world]
+        _NODE_GROUPS[world, local] = (nodes[rank // local], replicas[rank % local])
+    return _NODE_GROUPS[world, local]
 
 
 def strategy_kwargs(strategy: str) -> dict[str, Any]:
