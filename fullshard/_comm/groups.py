@@ -17,7 +17,9 @@ __all__: list[str] = []
 HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
 # Default hybrid groups, created once per (default group, local world size): building them
-# calls `new_group` on every rank, and hand-nested units must share one set of groups.
+# calls `new_group` on every rank, and the units one auto_wrap_policy builds (each resolving
+# process_group=None) must share one set of groups. Tests that wrap hybrid units by hand pass
+# these explicitly (tests/support/models.py).
 # Keyed by the group object itself (not its id), so a re-initialised default group never
 # finds the groups of a destroyed one.
 _DEFAULT_HYBRID_GROUPS: dict[

@@ -475,7 +475,7 @@ def _post_forward_at(args: argparse.Namespace, strategy: str, shard_ranks: int) 
     k = args.reshard_after_forward
     if args.api != "fsdp2" or strategy not in ("FULL_SHARD", "HYBRID_SHARD"):
         return None
-    if not isinstance(k, int) or isinstance(k, bool) or shard_ranks % k:
+    if reshard_flag.factor_problem(k, shard_ranks):
         return None
     return reshard_flag.post_forward_shards(k, shard_ranks)[1]
 

@@ -22,16 +22,15 @@ Shapes follow common_fsdp so ported tests keep their numbers:
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from fullshard import ShardingStrategy
+from fullshard._comm.groups import _default_hybrid_groups
 
 __all__ = [
     "HYBRID_STRATEGY_NAMES",
@@ -62,32 +61,15 @@ STRATEGIES = [
 STRATEGY_NAMES = [strategy.name for strategy in STRATEGIES]
 HYBRID_STRATEGY_NAMES = ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
 
-_NODE_GROUPS: dict[tuple[dist.ProcessGroup, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
-
-
-def _node_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """(shard within a node of LOCAL_WORLD_SIZE ranks, replicate across nodes), made once per
-    default group and local size, every group on every rank in the same order (as new_group
-    requires)."""
-    world = dist.group.WORLD
-    assert world is not None
-    size = dist.get_world_size()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or size
-    if (world, local) not in _NODE_GROUPS:
-        nodes = [dist.new_group(list(range(n, n + local))) for n in range(0, size, local)]
-        replicas = [dist.new_group(list(range(r, size, local))) for r in range(local)]
-        rank = dist.get_rank()
-        _NODE_GROUPS[world, local] = (nodes[rank // local], replicas[rank % local])
-    return _NODE_GROUPS[world, local]
-
 
 def strategy_kwargs(strategy: str) -> dict[str, Any]:
     """FSDP1 options for wrapping by hand with ``strategy`` (a ShardingStrategy name): the
-    hybrid strategies also get explicit node-local (shard, replicate) groups, since a
+    hybrid strategies also get explicit node-local (shard, replicate) groups (within
+    LOCAL_WORLD_SIZE ranks, made once per default group and local size), since a
     hand-wrapped hybrid unit without them is refused (as by torch)."""
     kwargs: dict[str, Any] = {"sharding_strategy": ShardingStrategy[strategy]}
-    if strategy in HYBRID_STRATEGY_NAMES:
-        kwargs["process_group"] = _node_groups()
+    if strategy in HYBRID_STRATEGY_NAMES:  # the groups an auto_wrap_policy would get
+        kwargs["process_group"] = _default_hybrid_groups()
     return kwargs
 
 
