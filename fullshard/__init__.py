@@ -16,16 +16,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from . import wrap
     from ._comm.collectives import CollectiveError, CollectiveMismatchError
-    from ._fully_shard import (
+    from ._fsdp2 import (
         FSDPModule,
         UnshardHandle,
         fully_shard,
         register_fsdp_forward_method,
+        share_comm_ctx,
     )
     from .api import (
         BackwardPrefetch,
         CPUOffload,
         CPUOffloadPolicy,
+        DataParallelMeshDims,
         FullOptimStateDictConfig,
         FullStateDictConfig,
         LocalOptimStateDictConfig,
@@ -51,12 +53,14 @@ _HOMES = {
     "CollectiveMismatchError": "_comm.collectives",
     "CPUOffload": "api",
     "CPUOffloadPolicy": "api",
-    "FSDPModule": "_fully_shard",
+    "DataParallelMeshDims": "api",
+    "FSDPModule": "_fsdp2",
     "MixedPrecisionPolicy": "api",
     "OffloadPolicy": "api",
-    "UnshardHandle": "_fully_shard",
-    "fully_shard": "_fully_shard",
-    "register_fsdp_forward_method": "_fully_shard",
+    "UnshardHandle": "_fsdp2",
+    "fully_shard": "_fsdp2",
+    "register_fsdp_forward_method": "_fsdp2",
+    "share_comm_ctx": "_fsdp2",
     "FullOptimStateDictConfig": "api",
     "FullStateDictConfig": "api",
     "LocalOptimStateDictConfig": "api",
@@ -82,6 +86,7 @@ __all__ = [
     "CPUOffloadPolicy",
     "CollectiveError",
     "CollectiveMismatchError",
+    "DataParallelMeshDims",
     "FSDPModule",
     "FlatParameter",
     "FullOptimStateDictConfig",
@@ -104,6 +109,7 @@ __all__ = [
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
     "wrap",
 ]
 

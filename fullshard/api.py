@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -12,6 +15,7 @@ __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FullOptimStateDictConfig",
     "FullStateDictConfig",
     "LocalOptimStateDictConfig",
@@ -26,6 +30,7 @@ __all__ = [
     "StateDictConfig",
     "StateDictSettings",
     "StateDictType",
+    "from_torch",
 ]
 
 
@@ -179,6 +184,37 @@ class MixedPrecisionPolicy:
 
 
 @dataclass
+class DataParallelMeshDims:
+    """Which named dims of a whole SPMD mesh are data parallel, for ``fully_shard`` on
+    parameters that are already DTensors over that mesh (torch's ``dp_mesh_dims``)."""
+
+    shard: str | tuple[str, ...] | None = None
+    """The dim (or dims, flattened into one) parameters are sharded over."""
+    replicate: str | tuple[str, ...] | None = None
+    """The dim (or dims, flattened into one) parameters are replicated over (HSDP, DDP)."""
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError(
+                "At least one of shard or replicate must be set in DataParallelMeshDims"
+            )
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _names(self.replicate)
+
+
+def _names(dims: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if dims is None:
+        return ()
+    return (dims,) if isinstance(dims, str) else tuple(dims)
+
+
+@dataclass
 class OffloadPolicy:
     """No offloading (the base class of ``fully_shard``'s offload policies)."""
 
@@ -190,3 +226,53 @@ class CPUOffloadPolicy(OffloadPolicy):
 
     pin_memory: bool = True
     """Pin the CPU copies (used when computing on CUDA)."""
+
+
+# -- torch's own configuration objects ----------------------------------------------------
+
+# [Note: torch's configuration objects]
+# Scripts mix imports: `from torch.distributed.fsdp import MixedPrecision` beside fullshard's
+# `FullyShardedDataParallel`, or torch's `CPUOffloadPolicy()` passed to fullshard's
+# `fully_shard`; stacks (accelerate, Lightning) build torch's objects themselves. Each front
+# door passes what it is given through `from_torch`, which turns an object of torch's FSDP
+# config types (recognised by module and class name: the engine never imports torch's FSDP)
+# into fullshard's class of the same name, field for field. A field fullshard's class lacks
+# is refused rather than dropped: ignoring an option is a silent difference.
+
+_TORCH_FSDP_MODULE = "torch.distributed.fsdp"
+
+
+def _is_torch_fsdp_type(cls: type) -> bool:
+    module = getattr(cls, "__module__", "") or ""
+    return module == _TORCH_FSDP_MODULE or module.startswith(_TORCH_FSDP_MODULE + ".")
+
+
+def from_torch(value: Any, counterpart: type | None = None) -> Any:
+    """``value`` as fullshard's config object if it is one of torch's FSDP config objects (an
+    enum member or a dataclass of ``torch.distributed.fsdp``, e.g. its ``MixedPrecision`` or
+    ``CPUOffloadPolicy``); anything else unchanged (the caller validates it). fullshard's
+    class is the one of this module with the same name, or ``counterpart`` for a type
+    defined elsewhere."""
+    cls = type(value)
+    if not _is_torch_fsdp_type(cls):
+        return value
+    ours: Any = counterpart or getattr(sys.modules[__name__], cls.__name__, None)
+    if ours is not None and ours.__name__ != cls.__name__:
+        return value
+    if ours is None or ours is cls:  # no counterpart here, or already ours
+        return value
+    if isinstance(value, enum.Enum) and issubclass(ours, enum.Enum):
+        if value.name not in ours.__members__:
+            raise ValueError(f"{cls.__name__}.{value.name} has no counterpart in fullshard")
+        return ours[value.name]
+    if not dataclasses.is_dataclass(value):
+        return value
+    names = {f.name for f in dataclasses.fields(ours)}
+    values = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise TypeError(
+            f"torch's {cls.__name__} has fields {unknown} that fullshard's {cls.__name__} does "
+            f"not support; pass fullshard.{cls.__name__} without them"
+        )
+    return ours(**{name: from_torch(field_value) for name, field_value in values.items()})

@@ -44,6 +44,7 @@ from .api import (
     CPUOffload,
     MixedPrecision,
     ShardingStrategy,
+    from_torch,
 )
 
 __all__ = [
@@ -112,6 +113,8 @@ class FullyShardedDataParallel(TorchAttributes, StateDictMethods, nn.Module):
             ignored_states=ignored_states,
             device_mesh=device_mesh,
         )
+        # torch's own config objects, field for field ([Note: torch's configuration objects])
+        kwargs = {name: from_torch(value) for name, value in kwargs.items()}
         if not isinstance(module, nn.Module):
             raise TypeError(
                 f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__qualname__} "

@@ -40,9 +40,18 @@ from .pieces import Sink
 
 __all__: list[str] = []
 
-# The ``*_tensor`` names are deprecated in newer torch in favour of ``*_single``.
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# c10d's collectives, looked up at each call (as torch's FSDP does), so that code wrapping
+# ``dist.all_gather_single`` (torch's tests count collectives so) sees fullshard's too. The
+# ``*_tensor`` names are deprecated in newer torch in favour of ``*_single``.
+def _all_gather_single(*args: Any, **kwargs: Any) -> dist.Work | None:
+    c10d = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return c10d(*args, **kwargs)
+
+
+def _reduce_scatter_single(*args: Any, **kwargs: Any) -> dist.Work | None:
+    c10d = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return c10d(*args, **kwargs)
 
 
 _KEPT_LABELS = 100_000
@@ -362,12 +371,23 @@ def all_gather_into(
             steps = _ring_all_gather(output, shard, group, _next_tag(group))
             return _WorkPending("all_gather", label, group, steps, [_neighbours(group)[3]])
         work = _all_gather_single(output, shard, group=group, async_op=True)
-    return _issued("all_gather", label, group, work)
+    return issued("all_gather", label, group, work)
 
 
-def _issued(kind: str, label: str, group: dist.ProcessGroup, work: dist.Work | None) -> Pending:
+def issued(kind: str, label: str, group: dist.ProcessGroup, work: dist.Work | None) -> Pending:
+    """A c10d collective issued with ``async_op=True``, as a ``Pending``."""
     assert work is not None
     return _WorkPending(kind, label, group, iter([[work]]))
+
+
+class _Completed(Pending):
+    def wait(self) -> bool:
+        return True
+
+
+def completed(kind: str, label: str, group: dist.ProcessGroup) -> Pending:
+    """A collective that finished when it was issued (a synchronous custom one)."""
+    return _Completed(kind, label, group)
 
 
 def gather_to_first_rank(
@@ -382,7 +402,7 @@ def gather_to_first_rank(
     COUNTERS.record("gather", label, sent)
     with record_function(f"fullshard::gather({label})"):
         work = dist.gather(shard, outputs, dst=first, group=group, async_op=True)
-    return _issued("gather", label, group, work)
+    return issued("gather", label, group, work)
 
 
 def reduce_scatter_into(
@@ -411,7 +431,7 @@ def reduce_scatter_into(
             steps = _ring_reduce_scatter(output, full, group, _next_tag(group))
             return _WorkPending("reduce_scatter", label, group, steps, [_neighbours(group)[3]])
         work = _reduce_scatter_single(output, full, group=group, async_op=True)
-    return _issued("reduce_scatter", label, group, work)
+    return issued("reduce_scatter", label, group, work)
 
 
 def all_reduce(
@@ -427,7 +447,7 @@ def all_reduce(
     COUNTERS.record("all_reduce", label, 2 * _tensor_bytes(tensor) * (num_ranks - 1) / num_ranks)
     with record_function(f"fullshard::all_reduce({label})"):
         work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-    return _issued("all_reduce", label, group, work)
+    return issued("all_reduce", label, group, work)
 
 
 # [Note: rings on gloo]

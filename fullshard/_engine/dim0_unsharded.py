@@ -72,6 +72,9 @@ class Dim0Unsharded:
             for tensor in tensors:
                 _free(tensor)
         self.tensors = tensors
+        self.grads_received = [False] * len(layout.slots)
+        """Per slot, whether autograd gave it a gradient since the last reduction (the
+        backwards of every forward in between: accumulation, recomputation)."""
         self._flat: list[torch.Tensor] = []
         """Each parameter's flat view, shared by the ranks' parts."""
         self._rank_parts: dict[int, list[tuple[torch.Tensor, int, int, int]]] = {}
@@ -140,12 +143,14 @@ class _Unflatten(torch.autograd.Function):
     def forward(ctx: Any, leaf: torch.Tensor, unsharded: Dim0Unsharded) -> tuple[torch.Tensor, ...]:
         ctx.unsharded = unsharded
         ctx.leaf_numel, ctx.dtype, ctx.device = leaf.numel(), leaf.dtype, leaf.device
+        ctx.set_materialize_grads(False)  # a parameter that got no gradient arrives as None
         return tuple(_alias(t, dim) for t, dim in zip(unsharded.tensors, unsharded.dims))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor, None]:
         unsharded: Dim0Unsharded = ctx.unsharded
-        covered = unsharded.layout.evenly_split and all(g is not None for g in grads)
+        layout = unsharded.layout
+        covered = layout.evenly_split and all(g is not None for g in grads)
         empty = torch.empty if covered else torch.zeros  # no padding, every place written
         flat = empty(ctx.leaf_numel, dtype=ctx.dtype, device=ctx.device)
         for index, grad in enumerate(grads):
@@ -153,8 +158,16 @@ class _Unflatten(torch.autograd.Function):
                 continue
             dim = unsharded.dims[index]
             grad = grad.movedim(dim, 0) if dim else grad
-            for rows, place in unsharded.layout.rank_chunks(index, grad, flat):
+            for rows, place in layout.rank_chunks(index, grad, flat):
                 place.copy_(rows)
+        if layout.num_counters:  # see [Note: parameters without a gradient] in grads.py
+            received = [g is not None for g in grads]
+            counters = layout.counters(flat)
+            if covered:
+                counters.fill_(1)
+            else:
+                counters[:, torch.tensor(received, device=flat.device)] = 1
+            unsharded.grads_received = [a or b for a, b in zip(unsharded.grads_received, received)]
         return flat, None
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .._comm import collectives as comm
+from .._comm import custom
 from .._comm.groups import ShardingGroups
 from .dim0_unsharded import Dim0Unsharded, PostForwardShard
 from .layout import Dim0Layout, FlatLayout, ShardPiece
@@ -133,6 +135,9 @@ class FlatSegment:
         self.active: Unsharded = self._compute
         """The one unsharded (or last unsharded): what modules' views and gradients refer to."""
         self.flat_param._full_param_padded = self._compute.padded
+        self.custom_all_gather: Any = None
+        """FSDP2's ``set_custom_all_gather``: the comm that replaces the transport's (it
+        allocates what it gathers into; the parameters are filled from that)."""
         self._unshard_work: comm.Pending | None = None
         self._unshard_input: torch.Tensor | None = None
         """The cast or copied shard an all-gather in flight reads from."""
@@ -149,7 +154,9 @@ class FlatSegment:
         # the compute device (see [Note: devices] in init.py).
         dtype, device = params[0].dtype, params[0].device
         with torch.no_grad():
-            if self.uses_sharded_strategy:  # this rank's pieces; zeros where padding
+            # this rank's pieces; zeros where padding (a dim-0 layout over one shard too: it
+            # has gradient-usage counters after the parameters)
+            if self.uses_sharded_strategy or isinstance(layout, Dim0Layout):
                 local_shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
                 for param, piece in zip(params, self.pieces):
                     if piece is not None:
@@ -300,6 +307,8 @@ class FlatSegment:
                 self._unshard_work = work
                 return True
             post_forward.drop()
+        if self.custom_all_gather is not None and unsharded.params is not None:
+            return self._custom_unshard(unsharded.params, dtype, label)
         padded = unsharded.padded
         sink = None
         params = unsharded.params
@@ -324,6 +333,24 @@ class FlatSegment:
             return False
         self._unshard_input = source
         self._unshard_work = comm.all_gather_into(padded, source, self.groups.shard, label, sink)
+        return True
+
+    def _custom_unshard(self, params: Dim0Unsharded, dtype: torch.dtype, label: str) -> bool:
+        """The all-gather through the user's comm, into the buffer it allocates; the
+        parameters are filled from it once it is done."""
+        comm_ = self.custom_all_gather
+        local_shard = self.flat_param._local_shard
+        source = comm_.allocate((local_shard.numel(),), dtype=dtype, device=self.device)
+        source.copy_(local_shard)
+        gathered = comm_.allocate((self.layout.padded_numel,), dtype=dtype, device=self.device)
+        self.active.params_gathered = True
+
+        def fill() -> None:
+            params.fill(gathered)
+
+        self._unshard_input = source
+        self._after_gather = fill
+        self._unshard_work = custom.all_gather(comm_, gathered, source, self.groups.shard, label)
         return True
 
     def wait_unshard(self) -> None:

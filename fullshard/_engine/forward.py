@@ -18,8 +18,9 @@ from .autograd_graph import iter_tensors, map_tensors
 from .compile import eager
 from .flat_param import HandleState
 from .names import clean_fqn
-from .runtime import RootState, TrainingState
+from .runtime import TrainingState
 from .settings import check_homogeneous
+from .step import RootState
 from .unit import Unit, unit_of, units_in
 
 __all__: list[str] = []

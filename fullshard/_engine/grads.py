@@ -7,14 +7,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from .._comm import collectives as comm
+from .._comm import custom
 from .._comm.groups import ShardingGroups, gradient_divide_factors
+from .dtensor_params import DTensorParams
 from .flat_segment import FlatParameter, FlatSegment
+from .layout import Dim0Layout
 
 __all__: list[str] = []
 
@@ -33,6 +36,28 @@ class _PendingReduction:
     computed_dtype: torch.dtype
     """The dtype autograd computed the unsharded gradient in (the forward's parameter dtype):
     what ``keep_low_precision_grads`` keeps, as torch does."""
+    received: list[bool] | None = None
+    """FSDP2: per slot of the trainable segment, whether this rank's backward gave it a
+    gradient (see [Note: parameters without a gradient])."""
+
+
+# [Note: parameters without a gradient]
+# A parameter a backward gives no gradient (a module the forward skipped: an unused pooler,
+# an expert no token was routed to) gets no new ``.grad`` from torch's FSDP2: it leaves
+# ``.grad`` as it was (None after zero_grad(set_to_none=True)), so the optimizer skips it
+# (no weight decay, no moment update), unless `set_reduce_scatter_unused_params(True)` asks
+# for zeros. torch reduce-scatters only the gradients its rank has, so ranks that disagree
+# on which parameters got one mismatch the collective (a hang, or an error).
+# fullshard reduce-scatters a unit's whole flat gradient (zeros where a parameter got none),
+# so ranks never disagree on the collective, and gives FSDP2 parameters torch's `.grad`:
+# each rank's block of a dim-0 layout ends with one counter per parameter (see
+# `layout.Dim0Layout`), backward writes 1 into every rank's counter of each parameter that
+# got a gradient, and the reduce-scatter sums them: a parameter whose counter is 0 got no
+# gradient on any rank and keeps its `.grad`. Reading the counters costs a device-to-host
+# copy, so a rank reads them only when its own backward missed a trainable parameter
+# (otherwise every parameter got a gradient somewhere). Where ranks disagree, every rank
+# gets the reduced gradient (torch's result with `set_reduce_scatter_unused_params(True)`),
+# rather than torch's hang.
 
 
 def assign_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
@@ -68,6 +93,12 @@ class GradReduction:
         _pending_reduction: _PendingReduction | None
         all_reduce_replicas: bool
         _partial_replica_grad: torch.Tensor | None
+        force_sum_reduction: bool
+        all_reduce_hook: Callable[[torch.Tensor], None] | None
+        all_reduce_hook_stream: Any
+        custom_reduce_scatter: Any
+        reduce_unused_params: bool
+        _dtensor_params: DTensorParams | None
         _post_backward_hook: Callable[[], None] | None
 
         @property
@@ -75,7 +106,8 @@ class GradReduction:
         @property
         def flat_params(self) -> list[FlatParameter]: ...
         def sync_orig_grads(self) -> None: ...
-        def _use_sharded_grad_views(self) -> None: ...
+        def _use_sharded_grad_views(self, unused: set[int] | None = None) -> None: ...
+        def run_post_accumulate_grad_hooks(self) -> None: ...
 
     def _init_reduction_state(self) -> None:
         """The reduction's own state (called from ``FlatParamHandle.__init__``)."""
@@ -85,6 +117,17 @@ class GradReduction:
         ``set_requires_all_reduce``) sums them in ``_partial_replica_grad`` instead, out of
         ``.grad`` as in torch, until a reduction with True all-reduces the sum once."""
         self._partial_replica_grad = None
+        self.force_sum_reduction = False
+        """FSDP2's ``set_force_sum_reduction_for_comms``: full- and bf16-precision gradients
+        are summed, then divided (instead of divided, then summed), as torch does then."""
+        self.all_reduce_hook = None
+        """FSDP2's ``set_all_reduce_hook``: called on each reduced gradient shard."""
+        self.all_reduce_hook_stream = None
+        self.custom_reduce_scatter = None
+        """FSDP2's ``set_custom_reduce_scatter``: the comm that replaces the transport's."""
+        self.reduce_unused_params = False
+        """FSDP2's ``set_reduce_scatter_unused_params``: see [Note: parameters without a
+        gradient]."""
 
     def register_post_backward_hook(self, hook: Callable[[], None]) -> None:
         """Call ``hook`` each time autograd has accumulated this unit's unsharded gradient."""
@@ -99,9 +142,13 @@ class GradReduction:
         """Issue the reduction of the unsharded gradient (async); frees it once done."""
         for unsharded in self._segments[0].buffers():
             if unsharded.leaf.grad is not None:
-                self._reduce_grad_of(unsharded.leaf)
+                received = None
+                if unsharded.params is not None:
+                    received = unsharded.params.grads_received
+                    unsharded.params.grads_received = [False] * len(received)
+                self._reduce_grad_of(unsharded.leaf, received)
 
-    def _reduce_grad_of(self, leaf: torch.Tensor) -> None:
+    def _reduce_grad_of(self, leaf: torch.Tensor, received: list[bool] | None) -> None:
         grad = leaf.grad
         assert grad is not None
         if self._pending_reduction is not None:  # a second backward before the first finished
@@ -111,12 +158,7 @@ class GradReduction:
         computed_dtype = grad.dtype
         ran_in_param_dtype = grad.dtype == self._fwd_bwd_param_dtype
         reduce_dtype = self._reduce_dtype if ran_in_param_dtype else grad.dtype
-        num_dp_ranks = self.gradient_divide_factor or self.groups.num_data_parallel_ranks
-        if reduce_dtype.itemsize >= 4:
-            # Full precision cannot overflow: divide before the sum, exactly as DDP does.
-            predivide, postdivide = float(num_dp_ranks), 1.0
-        else:
-            predivide, postdivide = gradient_divide_factors(num_dp_ranks)
+        predivide, postdivide = self._divide_factors(reduce_dtype)
         grad = grad.to(reduce_dtype)
         if not self.uses_sharded_strategy:
             if predivide > 1:
@@ -130,11 +172,46 @@ class GradReduction:
         padding = layout.padded_numel - grad.numel()  # the flat layout's leaf stops at numel
         if padding:
             grad = torch.nn.functional.pad(grad, (0, padding))
-        sharded = grad.new_empty(layout.shard_numel)
-        work = comm.reduce_scatter_into(
-            sharded, grad, self.groups.shard, self.label, predivide=predivide
+        if self.custom_reduce_scatter is not None:
+            custom_comm = self.custom_reduce_scatter
+            full = custom_comm.allocate(grad.shape, dtype=grad.dtype, device=grad.device)
+            full.copy_(grad)
+            sharded = custom_comm.allocate(
+                (layout.shard_numel,), dtype=grad.dtype, device=grad.device
+            )
+            work = custom.reduce_scatter(
+                custom_comm, sharded, full, self.groups.shard, self.label, predivide
+            )
+            grad = full
+        else:
+            sharded = grad.new_empty(layout.shard_numel)
+            work = comm.reduce_scatter_into(
+                sharded, grad, self.groups.shard, self.label, predivide=predivide
+            )
+        self._pending_reduction = _PendingReduction(
+            work, sharded, grad, postdivide, computed_dtype, received
         )
-        self._pending_reduction = _PendingReduction(work, sharded, grad, postdivide, computed_dtype)
+
+    def _divide_factors(self, reduce_dtype: torch.dtype) -> tuple[float, float]:
+        """How much of the 1/N of averaging to divide by before the sum, and how much after."""
+        num_dp_ranks = self.gradient_divide_factor or self.groups.num_data_parallel_ranks
+        if self.force_sum_reduction and reduce_dtype in (torch.float32, torch.bfloat16):
+            return 1.0, float(num_dp_ranks)  # torch's, with force_sum_reduction_for_comms
+        if reduce_dtype.itemsize >= 4:
+            # Full precision cannot overflow: divide before the sum, exactly as DDP does.
+            return float(num_dp_ranks), 1.0
+        return gradient_divide_factors(num_dp_ranks)
+
+    def discard_unreduced_grads(self) -> None:
+        """Drop what a failed step left between autograd and ``.grad``: the unsharded
+        gradients, a reduction in flight (waited for: its buffers must outlive it) and
+        HSDP's sum not yet all-reduced. ``.grad`` keeps what earlier steps put there."""
+        pending, self._pending_reduction = self._pending_reduction, None
+        if pending is not None:
+            pending.work.wait()
+        self._partial_replica_grad = None
+        for unsharded in self._segments[0].buffers():
+            unsharded.leaf.grad = None
 
     def finalize_grad(self) -> None:
         """Wait for the reduction and accumulate it into the sharded gradient.
@@ -157,6 +234,8 @@ class GradReduction:
                 self._partial_replica_grad = reduced
                 return
             comm.all_reduce(reduced, self.groups.replicate, self.label).wait()
+        if self.all_reduce_hook is not None:
+            custom.run_all_reduce_hook(self.all_reduce_hook, reduced, self.all_reduce_hook_stream)
         if pending.postdivide > 1:
             reduced.div_(pending.postdivide)
         dtype = pending.computed_dtype if self._keep_low_precision_grads else self._orig_param_dtype
@@ -168,9 +247,27 @@ class GradReduction:
         else:
             flat_grad.add_(reduced)
         if self._use_orig_params:
-            self._use_sharded_grad_views()
+            self._use_sharded_grad_views(self._unused_everywhere(pending))
+        if self._dtensor_params is not None:
+            self.run_post_accumulate_grad_hooks()
         if self._has_optim_in_backward:
             self._step_optimizers_in_backward()
+
+    def _unused_everywhere(self, pending: _PendingReduction) -> set[int]:
+        """The parameters (indices) no rank's backward gave a gradient to, from the
+        reduced counters (see [Note: parameters without a gradient]); none with
+        ``reduce_unused_params``."""
+        received = pending.received
+        segment = self._segments[0]
+        layout = segment.layout
+        if received is None or self.reduce_unused_params or not isinstance(layout, Dim0Layout):
+            return set()
+        trains = [self._orig_params[index].requires_grad for index in segment.indices]
+        missing = [i for i, (got, t) in enumerate(zip(received, trains)) if t and not got]
+        if not missing:
+            return set()
+        counters = pending.reduced_grad[layout.counters_offset :].tolist()
+        return {segment.indices[i] for i in missing if counters[i] == 0}
 
     def init_optimizers_in_backward(self) -> None:
         """At lazy initialisation: find optimizers applied in backward (see the note)."""

@@ -192,11 +192,14 @@ class OrigParamViews:
     def register_orig_params(self) -> None:
         """After a forward that keeps the unit unsharded until backward (the root, or
         SHARD_GRAD_OP), with ``use_orig_params``: modules list the original parameters (on
-        their shard pieces) again, as torch's do, so ``model.parameters()`` between forward
-        and backward sees every parameter. The step's graph keeps the unsharded views it was
-        built with; backward recomputations set them again (``use_unsharded_views``)."""
+        their shard pieces) again, as torch's FSDP1 does, so ``model.parameters()`` between
+        forward and backward sees every parameter. The step's graph keeps the unsharded views
+        it was built with; backward recomputations set them again (``use_unsharded_views``).
+        FSDP2 (DTensor parameters) keeps the unsharded parameters registered instead, as
+        torch's ``fully_shard`` does wherever a group stays unsharded; ``reshard()`` (or a
+        state dict) registers the DTensors again."""
         self._assert_state(HandleState.UNSHARDED, "register_orig_params")
-        if self._use_orig_params:
+        if self._use_orig_params and self._dtensor_params is None:
             self._use_sharded_params()
 
     def _unsharded_views(self) -> list[torch.Tensor]:
@@ -314,8 +317,10 @@ class OrigParamViews:
     def check_orig_params_kept(self) -> None:
         """At a pre-backward of a unit still unsharded since its forward: its original
         parameters must not have been replaced since that forward (the step's graph holds
-        views of the unsharded parameters, which a change would silently bypass)."""
-        if not self._use_orig_params:
+        views of the unsharded parameters, which a change would silently bypass). FSDP2
+        keeps the unsharded parameters registered meanwhile (``register_orig_params``): the
+        sharded ones are not the modules' to replace then."""
+        if not self._use_orig_params or self._dtensor_params is not None:
             return
         for index, view in self._orig_param_pieces():
             param, owners = self._orig_params[index], self._owners[index]
@@ -390,22 +395,45 @@ class OrigParamViews:
             if grad.data_ptr() != view.data_ptr():
                 view.copy_(self._in_layout(index, grad).reshape(view.shape))
 
-    def _use_sharded_grad_views(self) -> None:
+    def _use_sharded_grad_views(self, unused: set[int] | None = None) -> None:
         """``use_orig_params``: each original ``.grad`` views its piece of the sharded grad.
 
-        Parameters with no piece on this rank, or that do not require grad now, have no
-        gradient, as in torch.
+        Parameters that do not require grad now have no gradient, as in torch. One with no
+        piece on this rank has none either under FSDP1 (as torch's); under FSDP2 its gradient
+        is an empty DTensor, as torch's ``fully_shard`` gives every rank: the ranks must run
+        the same DTensor collectives on it (``clip_grad_norm_``), and an optimizer that
+        skipped it on some ranks only would step different parameter lists. A parameter in
+        ``unused`` (no rank's backward gave it a gradient) keeps no gradient if it had none
+        (see [Note: parameters without a gradient] in grads.py).
         """
         grads: dict[int, torch.Tensor] = {}
         flat_grad = self.flat_param.grad
         if flat_grad is not None:
             segment = self._segments[0]
             for index, view in zip(segment.indices, segment.sharded_piece_views(flat_grad)):
-                trains = self._orig_params[index].requires_grad
-                if trains and (view.numel() > 0 or self.slot(index).numel == 0):
+                param = self._orig_params[index]
+                if unused and index in unused and param.grad is None:
+                    continue
+                if param.requires_grad and (view.numel() > 0 or self._has_empty_shards(index)):
                     grads[index] = self._sharded_grad(index, view)
         for index, param in enumerate(self._orig_params):
             assign_grad(param, grads.get(index))
+
+    def run_post_accumulate_grad_hooks(self) -> None:
+        """FSDP2: call the hooks registered on the DTensor parameters with
+        ``register_post_accumulate_grad_hook`` once their sharded gradient is in ``.grad``
+        (autograd never accumulates into them, the unit does), as torch's ``fully_shard``
+        does; optimizers stepped in backward rely on it."""
+        for param in self._orig_params:
+            hooks = param._post_accumulate_grad_hooks
+            if hooks and param.grad is not None:
+                for hook in list(hooks.values()):
+                    hook(param)
+
+    def _has_empty_shards(self, index: int) -> bool:
+        """Parameter ``index``'s gradient exists even where its piece here is empty: FSDP2's
+        DTensors (every rank holds a local tensor, perhaps empty), or an empty parameter."""
+        return self._dtensor_params is not None or self.slot(index).numel == 0
 
     def expose_unsharded_params(self) -> None:
         """Make the full parameters visible as registered ``nn.Parameter`` s (for summon)."""

@@ -18,17 +18,14 @@ from __future__ import annotations
 
 import enum
 import functools
-import threading
 import weakref
 from typing import Any
 
 import torch
-from torch.autograd import Variable
 
 from ..api import BackwardPrefetch, ShardingStrategy
 from .autograd_graph import (
     ForwardRecord,
-    NestedForwards,
     autograd_sequence_nr,
     gradient_sources,
     input_nodes,
@@ -36,8 +33,9 @@ from .autograd_graph import (
     will_run,
 )
 from .compile import eager
-from .exec_order import ExecOrderValidator, validation_enabled
+from .exec_order import validation_enabled
 from .flat_param import FlatParamHandle, HandleState
+from .step import RootState
 
 __all__: list[str] = []
 
@@ -49,29 +47,6 @@ RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SH
 # in backward), so freeing and re-gathering them would only add one all-gather of the root's
 # parameters per step. The root is resharded at its post-backward instead. Forward passes that
 # cannot be followed by a backward (no grad, or no output requiring grad) reshard every unit.
-
-
-# [Note: reductions in flight]
-# A reduction holds its unit's unsharded gradient until it completes, so waiting for all of
-# them at the end of backward would keep every unit's full gradient alive at once (the whole
-# model's worth). Each post-backward therefore finalises all but the newest
-# `reductions_in_flight` reductions (below): with one, a unit's reduce-scatter overlaps the
-# next unit's gradient computation, and one unsharded gradient outlives its unit's hook.
-def reductions_in_flight(
-    backward_prefetch: BackwardPrefetch | None, override: int | None = None
-) -> int:
-    """How many reductions may stay in flight after a unit's post-backward.
-
-    Backward keeps at most three unit-sized buffers alive besides activations: the unit's
-    parameters, its gradient being computed, and either the next unit's prefetched
-    parameters (BACKWARD_PRE: the all-gather overlaps this unit's gradient computation, and
-    each reduction completes in its own post-backward) or the previous unit's gradient still
-    being reduced (BACKWARD_POST and None: the reduction overlaps the next unit's gradient
-    computation). ``override`` (FULLSHARD_REDUCTIONS_IN_FLIGHT) replaces it (memory for
-    overlap)."""
-    if override is not None:
-        return override
-    return 0 if backward_prefetch == BackwardPrefetch.BACKWARD_PRE else 1
 
 
 # [Note: forward inside backward]
@@ -138,112 +113,14 @@ class HandleTrainingState(enum.Enum):
     """Its full parameters are exposed by `summon_full_params`."""
 
 
-class RootState:
-    """State shared by every unit under one root for one step; owned by the root."""
-
-    def __init__(
-        self,
-        units: list[UnitRuntime],
-        backward_prefetch: BackwardPrefetch | None,
-        forward_prefetch: bool = False,
-        reductions_override: int | None = None,
-    ):
-        self.units = units
-        self.backward_prefetch = backward_prefetch
-        self.forward_prefetch = forward_prefetch
-        self.reductions_in_flight = reductions_in_flight(backward_prefetch, reductions_override)
-        self.forward_order: list[UnitRuntime] = []
-        """Units with parameters, in the order their forward first ran this step."""
-        self.exec_order = ExecOrderValidator([unit.handle for unit in units])
-        """Used under TORCH_DISTRIBUTED_DEBUG=DETAIL only (see [Note: execution-order
-        validation] in exec_order.py)."""
-        self._forward_ranges: dict[int, NestedForwards] = {}
-        """Per thread (autograd numbers nodes per thread), where each unit's forward is in
-        autograd's sequence numbers, this step."""
-        self.previous_forward_order: list[UnitRuntime] = []
-        """The last step's ``forward_order``: what forward prefetching expects to run next."""
-        self.pending_reductions: list[UnitRuntime] = []
-        self.end_of_backward_queued = False
-        self.buffers_full_precision: bool | None = None
-        """Whether buffers are in their own dtype (True) or in ``buffer_dtype`` (False);
-        None before the first forward casts them."""
-
-    def begin_forward(self, training: bool) -> None:
-        if training and validation_enabled():
-            self.exec_order.begin_iteration()
-        for unit in self.units:
-            if unit.handle is not None:
-                unit.handle.sync_requires_grad()
-        if self.forward_order:
-            self.previous_forward_order = self.forward_order
-        self.forward_order = []
-        self._forward_ranges = {}
-
-    def forget_forward_ranges(self) -> None:
-        self._forward_ranges = {}
-
-    @property
-    def forward_ranges(self) -> NestedForwards:
-        """This thread's ``NestedForwards``."""
-        return self._forward_ranges.setdefault(threading.get_ident(), NestedForwards())
-
-    def prefetch_for_forward(self, unit: UnitRuntime) -> None:
-        """``forward_prefetch``: issue the all-gather of the unit whose forward followed
-        ``unit``'s in the previous step, so it runs while ``unit`` computes."""
-        if not self.forward_prefetch or unit not in self.previous_forward_order:
-            return
-        index = self.previous_forward_order.index(unit)
-        if index + 1 == len(self.previous_forward_order):
-            return
-        target = self.previous_forward_order[index + 1]
-        handle = target.handle
-        if handle is not None and handle.state == HandleState.SHARDED:
-            handle.unshard(unit.full_precision)
-
-    def record_forward(self, unit: UnitRuntime) -> None:
-        if unit not in self.forward_order:
-            self.forward_order.append(unit)
-
-    def queue_end_of_backward(self) -> None:
-        """Have autograd call ``finish_backward`` once the current backward pass is done."""
-        if not self.end_of_backward_queued:
-            self.end_of_backward_queued = True
-            Variable._execution_engine.queue_callback(self.finish_backward)
-
-    def prefetch_for_backward(self, unit: UnitRuntime, when: BackwardPrefetch) -> None:
-        """Issue the all-gather of the unit that backward reaches after ``unit``, if the
-        configured ``backward_prefetch`` is ``when`` (BACKWARD_PRE: from ``unit``'s
-        pre-backward, before its gradient is computed; BACKWARD_POST: from its post-backward)."""
-        if self.backward_prefetch != when or unit not in self.forward_order:
-            return
-        index = self.forward_order.index(unit)
-        if index == 0:
-            return
-        target = self.forward_order[index - 1]
-        handle = target.handle
-        if (
-            handle is not None
-            and not target.ran_pre_backward
-            and target.unshard_in_backward
-            and handle.state == HandleState.SHARDED
-        ):
-            handle.unshard(target.full_precision)
-
-    def finalize_reductions(self, keep: int = 0) -> None:
-        """Wait for all but the newest ``keep`` reductions, oldest first, and finalise their
-        sharded gradients (see [Note: reductions in flight])."""
-        while len(self.pending_reductions) > keep:
-            unit = self.pending_reductions.pop(0)
-            assert unit.handle is not None
-            unit.handle.finalize_grad()
-
-    @eager
-    def finish_backward(self) -> None:
-        """Wait for every reduction, finalise sharded gradients, reshard everything."""
-        self.finalize_reductions()
-        for unit in self.units:
-            unit.finish_backward()
-        self.end_of_backward_queued = False
+def _wait_for_event(event: Any) -> None:
+    """The current stream waits for ``event`` (on the CPU: the host waits, which is at once:
+    CPU work runs in program order)."""
+    device = getattr(event, "device", None)
+    if device is None or device.type == "cpu":
+        event.synchronize()
+    else:
+        torch.get_device_module(device.type).current_stream().wait_event(event)
 
 
 def _prefetch(units: list[UnitRuntime], full_precision: bool) -> None:
@@ -259,7 +136,17 @@ class UnitRuntime:
 
     def __init__(self, handle: FlatParamHandle | None, strategy: ShardingStrategy) -> None:
         self.handle = handle
-        self.reshard_after_forward = strategy in RESHARD_AFTER_FORWARD
+        self.reshard_after_forward: bool | None = (
+            None if strategy in RESHARD_AFTER_FORWARD else False
+        )
+        """Whether post-forward frees the unsharded parameters. None: yes, except the root's
+        (see [Note: the root keeps its parameters]); FSDP2's explicit
+        ``reshard_after_forward`` and ``set_reshard_after_forward`` give a bool."""
+        self.reshard_without_backward = True
+        """A forward no backward can follow (grad disabled, or no output requiring grad)
+        reshards whatever ``reshard_after_forward`` says (FSDP1's rule). False (FSDP2, as
+        torch's): it follows ``reshard_after_forward``, so the root, or a unit set not to
+        reshard, stays unsharded across eval or generation forwards."""
         self.is_root: bool | None = None
         """None until lazy initialisation at the first forward decides."""
         self.root_state: RootState | None = None
@@ -274,6 +161,12 @@ class UnitRuntime:
         self.unshard_in_backward = True
         """False: backward computes this unit's gradients without its parameters (FSDP2's
         ``set_unshard_in_backward``, e.g. an embedding), so its pre-backward gathers nothing."""
+        self.max_reductions_in_flight: int | None = None
+        """FSDP2's ``set_reduce_scatter_max_input_buffers``: the reductions that may stay in
+        flight after a post-backward (the step uses the largest any unit asks for; None:
+        the engine's default, see [Note: reductions in flight])."""
+        self.post_optim_event: Any = None
+        """FSDP2's ``set_post_optim_event``: waited for at the root's next forward."""
         self.forward_prefetch_targets: list[UnitRuntime] = []
         self.backward_prefetch_targets: list[UnitRuntime] = []
         """Units whose all-gathers this unit's pre-forward / pre-backward issues (FSDP2's
@@ -358,6 +251,9 @@ class UnitRuntime:
         self.recomputing = False
         if self.is_root:
             self.root.begin_forward(training)
+            if self.post_optim_event is not None:
+                _wait_for_event(self.post_optim_event)
+                self.post_optim_event = None
         self._move_to(TrainingState.FORWARD_BACKWARD, HandleTrainingState.FORWARD, start=IN_STEP)
         self.full_precision = full_precision
         self.forward_started_at = autograd_sequence_nr()
@@ -409,9 +305,7 @@ class UnitRuntime:
         # generate calling the module) resharded it.
         if handle is None or handle.state == HandleState.SHARDED:
             pass
-        elif not will_backward:
-            handle.reshard()
-        elif self.reshard_after_forward and not self.is_root:
+        elif self._reshards_after_forward(will_backward):
             handle.reshard(after_forward=True)
         else:
             handle.register_orig_params()
@@ -419,6 +313,13 @@ class UnitRuntime:
         # is back to IDLE after the inner call.
         self._move_to(TrainingState.IDLE, HandleTrainingState.IDLE, start=IN_STEP)
         return output
+
+    def _reshards_after_forward(self, will_backward: bool) -> bool:
+        if not will_backward and self.reshard_without_backward:
+            return True
+        if self.reshard_after_forward is None:
+            return not self.is_root
+        return self.reshard_after_forward
 
     def _record_forward(self, inputs: Any, outputs: list[torch.Tensor]) -> ForwardRecord:
         """What backward needs to know of this forward to reshard at the right moment (see
@@ -517,10 +418,31 @@ class UnitRuntime:
         if self.sync_gradients:
             handle.reduce_grad()
             root.pending_reductions.append(self)
-            root.finalize_reductions(keep=root.reductions_in_flight)
+            root.finalize_reductions(keep=root.reductions_to_keep())
         root.prefetch_for_backward(self, BackwardPrefetch.BACKWARD_POST)
         self.received_installments += 1
         self._reshard_if_done()
+
+    def reset_step(self) -> None:
+        """This unit's part of ``RootState.reset_step``."""
+        handle = self.handle
+        if handle is not None:
+            handle.discard_unreduced_grads()
+            if handle.state != HandleState.SHARDED:
+                handle.reshard()
+        self._forget_backward()
+        self.recomputing = False
+        self._move_to(TrainingState.IDLE, HandleTrainingState.IDLE, start=tuple(TrainingState))
+
+    def _forget_backward(self) -> None:
+        self.ran_pre_backward = False
+        self.expected_installments = 0
+        self.received_installments = 0
+        for record in self.pending_input_grads:  # inputs whose gradients never came
+            if record.input_hook is not None:
+                record.input_hook.remove()
+                record.input_hook = None
+        self.pending_input_grads = set()
 
     @eager
     def finish_backward(self) -> None:
@@ -535,12 +457,5 @@ class UnitRuntime:
             elif handle.state != HandleState.SHARDED:
                 handle.wait_unshard()
                 handle.register_orig_params()  # kept for the next forward
-        self.ran_pre_backward = False
-        self.expected_installments = 0
-        self.received_installments = 0
-        for record in self.pending_input_grads:  # inputs whose gradients never came
-            if record.input_hook is not None:
-                record.input_hook.remove()
-                record.input_hook = None
-        self.pending_input_grads = set()
+        self._forget_backward()
         self._move_to(TrainingState.IDLE, HandleTrainingState.IDLE, start=IN_STEP)

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from .._comm import collectives as comm
 from .._engine.unit import units_in
-from ..api import StateDictType
+from ..api import StateDictType, from_torch
 from .optim_state_dict import OptimStateKeyType, _model_params, _optimizer_params, _OptimParam
 from .state_dict import _check_idle
 from .state_dict_type import get_state_dict_type
@@ -301,6 +301,7 @@ def rekey(
     groups: list[list[nn.Parameter]],
 ) -> dict[str, Any]:
     """``osd`` keyed by parameter name or by id (see ``OptimStateKeyType``)."""
+    key_type = from_torch(key_type, OptimStateKeyType)
     if not isinstance(key_type, OptimStateKeyType):
         raise TypeError(f"optim_state_key_type must be an OptimStateKeyType, got {key_type!r}")
     keys = list(osd["state"])

@@ -24,6 +24,7 @@ from ..api import (
     StateDictConfig,
     StateDictSettings,
     StateDictType,
+    from_torch,
 )
 
 __all__ = ["StateDictConfigError"]
@@ -46,7 +47,11 @@ def set_state_dict_type(
     state_dict_config: StateDictConfig | None = None,
     optim_state_dict_config: OptimStateDictConfig | None = None,
 ) -> StateDictSettings:
-    """Set the state dict type of every unit in ``module``; returns the previous settings."""
+    """Set the state dict type of every unit in ``module``; returns the previous settings
+    (torch's own types and configs are taken field for field: see ``api.from_torch``)."""
+    state_dict_type = from_torch(state_dict_type)
+    state_dict_config = from_torch(state_dict_config)
+    optim_state_dict_config = from_torch(optim_state_dict_config)
     if not isinstance(state_dict_type, StateDictType):
         raise TypeError(f"state_dict_type must be a StateDictType, got {state_dict_type!r}")
     config_cls, optim_config_cls = _DEFAULT_CONFIGS[state_dict_type]

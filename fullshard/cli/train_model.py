@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .._fully_shard import fully_shard
+from .._fsdp2 import fully_shard
 from ..api import (
     CPUOffload,
     CPUOffloadPolicy,

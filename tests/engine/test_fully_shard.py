@@ -325,7 +325,11 @@ def _forward_method() -> None:
     output = module.double(x)
     assert output.dtype == torch.float64
     torch.testing.assert_close(output, reference.double(x).double())
-    assert isinstance(module.fc1.weight, DTensor)  # resharded after it, as after forward
+    # The root keeps its unsharded parameters after it, as after forward (torch's rule).
+    assert not isinstance(module.fc1.weight, DTensor)
+    assert module.fc1.weight.shape == reference.fc1.weight.shape
+    module.reshard()
+    assert isinstance(module.fc1.weight, DTensor)
 
 
 def test_register_fsdp_forward_method() -> None:
@@ -376,7 +380,7 @@ def _misuse() -> None:
         ValueError, match=r"parameter 'embed\.weight' of this Net is tied to 'weight'"
     ):
         fully_shard(tied, mesh=mesh)
-    with pytest.raises(ValueError, match="takes modules fully_shard was applied to, got a Linear"):
+    with pytest.raises(ValueError, match=r"Expects FSDPModule but got <class .*Linear.*>"):
         early.set_modules_to_forward_prefetch([early.head])
 
 
@@ -525,7 +529,9 @@ def _schedule_and_memory(reshard_after_forward: bool) -> None:
     forward_gathers = [label for kind, label in COUNTERS.labels if kind == "all_gather"]
     assert sorted(forward_gathers) == sorted(groups)
     held = {name: w.untyped_storage().nbytes() > 0 for name, w in seen.items()}
-    assert held["head"]  # the root keeps its parameters for backward
+    # Given explicitly, reshard_after_forward holds for the root too (torch's rule; only
+    # the default, None, keeps the root's parameters for backward).
+    assert held["head"] == (not reshard_after_forward)
     assert all(
         held[f"blocks.{i}.{fc}"] == (not reshard_after_forward)
         for i in range(3)
@@ -535,7 +541,7 @@ def _schedule_and_memory(reshard_after_forward: bool) -> None:
     _loss(output, 0).backward()
     kinds = [(kind, label) for kind, label in COUNTERS.labels]
     backward_gathers = {label for kind, label in kinds if kind == "all_gather"}
-    assert backward_gathers == (groups - {"(root)"} if reshard_after_forward else set())
+    assert backward_gathers == (groups if reshard_after_forward else set())
     assert sorted(label for kind, label in kinds if kind == "reduce_scatter") == sorted(groups)
     assert all(w.untyped_storage().nbytes() == 0 for w in seen.values())
     for module in [*model.blocks, model]:
@@ -611,7 +617,9 @@ def _accumulation_controls() -> None:
     _loss(model(_tokens(0)), 0).backward()
     with ddp.no_sync():
         _loss(ddp(_tokens(0)), 0).backward()
-    assert isinstance(model.blocks[0].fc1.weight, DTensor)  # DTensors between steps still
+    # Kept unsharded: the modules hold the unsharded parameters until resharded (torch's)
+    weight = model.blocks[0].fc1.weight
+    assert not isinstance(weight, DTensor) and weight.shape == (2 * DIM + 1, DIM)
     COUNTERS.reset()
     model.set_reshard_after_backward(True)
     model.set_is_last_backward(True)
@@ -935,7 +943,8 @@ def _reshard_to_smaller_group() -> None:
         torch.testing.assert_close(our_params[name], value, rtol=1e-5, atol=1e-5, msg=name)
     full, full_labels = _backward_gathers(4)
     smaller, smaller_labels = _backward_gathers(2)
-    assert smaller_labels == full_labels == ["blocks.2", "blocks.1", "blocks.0"]
+    # Given explicitly, the root reshards too (torch's rule), over k ranks as the blocks do
+    assert smaller_labels == full_labels == ["(root)", "blocks.2", "blocks.1", "blocks.0"]
     assert smaller < 0.7 * full, (smaller, full)  # 1/2 of each block against 3/4, plus padding
     with pytest.warns(UserWarning, match=r"reshard_after_forward=1 \(int\) means resharding"):
         fully_shard(Block(), reshard_after_forward=1)

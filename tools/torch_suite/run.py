@@ -53,6 +53,11 @@ REWRITES: list[tuple[str, str, str]] = [
         'torch.device(rank) -> torch.device("cpu")',
     ),
     (
+        r"torch\.device\(\s*([\w.]+)\s*,\s*0\s*\)",
+        r"torch.device(\1)",
+        "torch.device(device_type, 0) -> torch.device(device_type)",
+    ),
+    (
         rf"torch\.device\(\s*[\w.]+\s*,\s*{_CURRENT}\)",
         'torch.device("cpu")',
         'torch.device(device_type, torch.accelerator.current_device_index()) -> torch.device("cpu")',
@@ -180,6 +185,10 @@ def run_pytest(workdir: Path, targets: list[str], mode: str, args, log) -> tuple
     if importlib.util.find_spec("pytest_timeout"):
         cmd += [f"--timeout={args.timeout}"]
     env = dict(os.environ, FULLSHARD_TORCH_SUITE=mode)
+    if mode == "fullshard" and args.transport == "c10d":
+        # fullshard's c10d transport: gloo's own collectives, called through dist.*, which
+        # the tests that count collectives wrap (common_fsdp.patch_all_gather, ...).
+        env.update(FULLSHARD_SHM="0", FULLSHARD_GLOO_RINGS="0")
     env["PYTHONPATH"] = os.pathsep.join(
         [str(HERE), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
     )
@@ -300,8 +309,20 @@ def main() -> int:
     parser.add_argument(
         "files", nargs="*", help="test file names (default: every test_*.py in --src)"
     )
-    parser.add_argument("--src", type=Path, default=Path("/work/torch_tests/files"))
-    parser.add_argument("--out", type=Path, default=Path("/work/torch_tests/results"))
+    parser.add_argument(
+        "--suite",
+        choices=["fsdp1", "fsdp2"],
+        default="fsdp1",
+        help="which files: FSDP1's test_*.py, or FSDP2's test_fully_shard_*.py",
+    )
+    parser.add_argument("--src", type=Path, help="test files (default by --suite)")
+    parser.add_argument("--out", type=Path, help="results (default by --suite)")
+    parser.add_argument(
+        "--transport",
+        choices=["default", "c10d"],
+        default="default",
+        help="fullshard mode: its default transports, or gloo's collectives through dist.*",
+    )
     parser.add_argument("--mode", choices=[*MODES, "both"], default="both")
     parser.add_argument("-k", help="pytest -k expression selecting tests")
     parser.add_argument("--jobs", type=int, default=1, choices=[1], help="only 1 (2 cores)")
@@ -312,8 +333,12 @@ def main() -> int:
     parser.add_argument("--no-lock", action="store_true", help=f"do not take {LOCK}")
     parser.add_argument("--summary", action="store_true", help="only print the summary of --out")
     args = parser.parse_args()
+    fsdp2 = args.suite == "fsdp2"
+    args.src = args.src or Path("/work/torch_tests/" + ("fsdp2_files" if fsdp2 else "files"))
+    args.out = args.out or Path("/work/torch_tests/" + ("results_fsdp2" if fsdp2 else "results"))
+    pattern = "test_fully_shard_*.py" if fsdp2 else "test_*.py"
     if not args.summary:
-        names = args.files or sorted(p.name for p in args.src.glob("test_*.py"))
+        names = args.files or sorted(p.name for p in args.src.glob(pattern))
         modes = MODES if args.mode == "both" else (args.mode,)
         for name in names:
             src = args.src / (name if name.endswith(".py") else f"{name}.py")

@@ -25,6 +25,27 @@ _FSDP_PKG = "torch.distributed.fsdp"
 _FSDP_HOMES = (_FSDP_PKG, f"{_FSDP_PKG}.api", f"{_FSDP_PKG}.fully_sharded_data_parallel")
 """torch's modules that hold the FSDP1 class and its public config types."""
 
+_FSDP2_NAMES = [
+    "CPUOffloadPolicy",
+    "DataParallelMeshDims",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
+]
+_FSDP2_HOMES = (
+    _FSDP_PKG,
+    f"{_FSDP_PKG}._fully_shard",
+    f"{_FSDP_PKG}._fully_shard._fully_shard",
+    f"{_FSDP_PKG}._fully_shard._fsdp_api",
+    "torch.distributed._composable.fsdp",
+    "torch.distributed._composable.fsdp.fully_shard",
+)
+"""torch's modules that hold FSDP2's public names (``_composable.fsdp`` is the old path)."""
+
 
 # --- (a) lift the GPU gating of torch's harness ----------------------------------------------
 
@@ -134,6 +155,7 @@ def _swap_fsdp(_module=None):
     swaps = [(home, fullshard, set(fullshard.__all__) - {"wrap"}) for home in _FSDP_HOMES]
     swaps.append((f"{_FSDP_PKG}.wrap", fullshard.wrap, fullshard.wrap.__all__))
     swaps.append((f"{_FSDP_PKG}.sharded_grad_scaler", fullshard, ["ShardedGradScaler"]))
+    swaps += [(home, fullshard, _FSDP2_NAMES) for home in _FSDP2_HOMES]
     for home, source, names in swaps:
         module = sys.modules.get(home)
         for name in names if module is not None else ():
@@ -170,6 +192,31 @@ def _torch_fsdp_defaults_to_cpu(_module):
     FSDP.__init__ = __init__
 
 
+# --- CPU plumbing of the accelerator calls the FSDP2 tests make (both modes) ------------------
+
+
+def _cpu_plumbing(torch):
+    """What the FSDP2 files call on the accelerator, made to work on a CPU-only host: pinned
+    memory (CPUOffloadPolicy pins by default) is the tensor itself, a CPU stream synchronises
+    at once, and torch.cpu.device_count() counts the ranks (world sizes are computed from
+    it). Nothing here touches an assertion."""
+    if torch.accelerator.is_available():
+        return
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+    torch.Tensor.is_pinned = lambda self, *args, **kwargs: False
+    torch.cpu.device_count = lambda: WORLD_SIZE
+    stream = getattr(torch.cpu, "Stream", None)
+    if stream is not None:
+        stream.synchronize = lambda self: None
+        stream.wait_stream = lambda self, other: None
+
+
+def _patch_common_utils(module):
+    import torch
+
+    _cpu_plumbing(torch)
+
+
 # --- the import hook ---------------------------------------------------------------------------
 
 _PATCHES = {
@@ -183,6 +230,9 @@ if MODE == "fullshard":
     _PATCHES[_FSDP_PKG] = _fsdp_package_loaded
     _PATCHES[f"{_FSDP_PKG}.wrap"] = _swap_fsdp
     _PATCHES[f"{_FSDP_PKG}.sharded_grad_scaler"] = _swap_fsdp
+    _PATCHES["torch.distributed._composable.fsdp"] = _swap_fsdp
+    _PATCHES["torch.distributed._composable.fsdp.fully_shard"] = _swap_fsdp
+_PATCHES["torch.testing._internal.common_utils"] = _patch_common_utils
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):

@@ -4,11 +4,11 @@
 ``Settings.dtensor_mesh`` set: the unit lays its parameters out split on dim 0 and its
 original parameters become ``DTensor`` s (``_engine/dtensor_params.py``), so the optimizer,
 ``model.state_dict()``, ``torch.nn.utils.clip_grad_norm_`` and torch's checkpoint API see
-what torch's FSDP2 gives them. The unit is driven by module hooks instead of a wrapper's
-forward: the same ``before_forward`` / ``after_forward`` the FSDP1 front door calls, so the
-schedule (one all-gather and one reduce-scatter per unit, prefetching, the root kept
-unsharded after forward, reductions in flight) is the engine's. The module's class becomes
-``FSDP<Class>``, a subclass of ``FSDPModule`` and of its own class, as in torch.
+what torch's FSDP2 gives them. The unit is driven by module hooks (``state``) instead of a
+wrapper's forward: the same ``before_forward`` / ``after_forward`` the FSDP1 front door
+calls, so the schedule (one all-gather and one reduce-scatter per unit, prefetching,
+reductions in flight) is the engine's. The module's class becomes ``FSDP<Class>``
+(``module.FSDPModule``), as in torch.
 
 Call it bottom-up: blocks first, then the root; each call manages the parameters of its
 module that no earlier call manages. A list of modules is one group (one unit): gathered
@@ -22,7 +22,7 @@ import functools
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,52 +30,37 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ._engine import convert
-from ._engine import forward as _forward
-from ._engine.build import build_unit
-from ._engine.flat_param import HandleState
-from ._engine.optimizer_check import watch_optimizers
-from ._engine.orig_params import RELEASED
-from ._engine.runtime import TrainingState, UnitRuntime
-from ._engine.settings import resolve_settings
-from ._engine.unit import Unit, unit_of, units_in
-from .api import (
+from .._engine.build import build_unit
+from .._engine.optimizer_check import watch_optimizers
+from .._engine.orig_params import RELEASED
+from .._engine.settings import resolve_settings
+from .._engine.unit import Unit, unit_of, units_in
+from ..api import (
     CPUOffload,
     CPUOffloadPolicy,
+    DataParallelMeshDims,
     MixedPrecision,
     MixedPrecisionPolicy,
     OffloadPolicy,
     ShardingStrategy,
+    from_torch,
+)
+from .module import FSDPModule, fsdp_class
+from .state import (
+    STATE_ATTR,
+    ShardedModule,
+    enter,
+    leave,
+    post_forward,
+    pre_forward,
+    register_state_dict_hooks,
+    state_of,
 )
 
-__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
-
-_FSDP_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
-"""Original class -> its ``FSDP<Class>`` subclass (made once per class)."""
-
+__all__ = ["fully_shard", "register_fsdp_forward_method"]
 
 _NO_MIXED_PRECISION = MixedPrecisionPolicy()
 _NO_OFFLOAD = OffloadPolicy()
-
-
-@dataclasses.dataclass
-class _ShardedModule:
-    """What ``fully_shard`` keeps on the module it was applied to (whose class is now ours):
-    its unit (the engine's registry holds units weakly) and the FSDP2 options the engine's
-    settings do not carry."""
-
-    unit: Unit
-    output_dtype: torch.dtype | None
-    members: tuple[nn.Module, ...]
-    """The modules of the call (one, or a group given as a list)."""
-    input_dtypes: list[torch.dtype | None] = dataclasses.field(default_factory=list)
-    """Per forward in progress (a module may run inside itself), the dtype to cast outputs
-    back to for classes that compute in full precision (the engine's ``before_forward``)."""
-    yet_to_run: list[nn.Module] = dataclasses.field(default_factory=list)
-    """A group in forward: its modules whose forward has not finished yet."""
-    started: list[nn.Module] = dataclasses.field(default_factory=list)
-    """A group in forward: its modules whose forward has begun (one beginning again starts
-    the group's next forward: the last one raised before the group's end)."""
 
 
 def fully_shard(
@@ -87,10 +72,19 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = _NO_MIXED_PRECISION,
     offload_policy: OffloadPolicy = _NO_OFFLOAD,
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> Any:
     """Shard ``module``'s parameters (those no earlier ``fully_shard`` call on a submodule
     manages) on dim 0 over ``mesh``; see torch's ``torch.distributed.fsdp.fully_shard``."""
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            "fully_shard(dp_mesh_dims=...) (parameters already DTensors on the whole SPMD "
+            "mesh) is not implemented by fullshard yet; pass the data-parallel sub-mesh "
+            "instead: fully_shard(module, mesh=world_mesh['dp'])"
+        )
     members = _modules(module)
+    mp_policy = _policy(mp_policy, MixedPrecisionPolicy, "mp_policy")
+    offload_policy = _policy(offload_policy, OffloadPolicy, "offload_policy")
     mesh = mesh if mesh is not None else _default_mesh()
     _check_mesh(mesh)
     for member in members:
@@ -114,13 +108,29 @@ def fully_shard(
     )
     watch_optimizers()
     unit = build_unit(members[0], target, settings, set(), members[1:])
-    state = _ShardedModule(unit, mp_policy.output_dtype, members)
+    # None: resharded after forward unless the unit turns out to be the root (torch's rule)
+    unit.runtime.reshard_after_forward = reshard_after_forward
+    unit.runtime.reshard_without_backward = False
+    register_state_dict_hooks(unit)
+    state = ShardedModule(unit, mp_policy.output_dtype, members)
     for member in members:
-        member.__dict__["_fullshard_state"] = state
-        member.register_forward_pre_hook(functools.partial(_pre_forward, state), with_kwargs=True)
-        member.register_forward_hook(functools.partial(_post_forward, state), with_kwargs=True)
-        member.__class__ = _fsdp_class(type(member))
+        member.__dict__[STATE_ATTR] = state
+        member.register_forward_pre_hook(functools.partial(pre_forward, state), with_kwargs=True)
+        member.register_forward_hook(functools.partial(post_forward, state), with_kwargs=True)
+        member.__class__ = fsdp_class(type(member))
     return module
+
+
+def _policy(policy: Any, cls: type, name: str) -> Any:
+    """fullshard's ``cls`` for ``policy`` (torch's own policy objects taken field for field:
+    see [Note: torch's configuration objects] in ``api``)."""
+    policy = from_torch(policy)
+    if not isinstance(policy, cls):
+        raise TypeError(
+            f"fully_shard's {name} must be a {cls.__name__} (fullshard's or torch's), got "
+            f"{policy!r}"
+        )
+    return policy
 
 
 def _resolve(
@@ -301,7 +311,7 @@ def _reshard_group(
 
 def _strategy(reshard_after_forward: bool | None, mesh: DeviceMesh) -> ShardingStrategy:
     if reshard_after_forward is None:
-        reshard_after_forward = True  # the root keeps its parameters anyway (the engine's)
+        reshard_after_forward = True  # the runtime exempts the root (lazy init decides)
     if mesh.ndim == 2:
         return (
             ShardingStrategy.HYBRID_SHARD
@@ -371,216 +381,24 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device | None:
     return torch.device(mesh.device_type, torch.cuda.current_device())
 
 
-# -- hooks ---------------------------------------------------------------------------------
-
-
-def _pre_forward(
-    state: _ShardedModule, module: nn.Module, args: Any, kwargs: Any
-) -> tuple[Any, Any]:
-    if len(state.members) > 1:
-        if state.yet_to_run and module not in state.started:
-            state.started.append(module)  # the group's forward began at an earlier module
-            return args, kwargs
-        if state.yet_to_run:  # this module again before the group's end: a forward raised
-            state.input_dtypes.clear()
-        state.yet_to_run, state.started = list(state.members), [module]
-    return _enter(state, module, args, kwargs)
-
-
-def _post_forward(
-    state: _ShardedModule, module: nn.Module, args: Any, kwargs: Any, output: Any
-) -> Any:
-    if len(state.members) > 1:
-        state.yet_to_run = [m for m in state.yet_to_run if m is not module]
-        if state.yet_to_run:  # resharded after the group's last module
-            return output
-    return _exit(state, args, kwargs, output)
-
-
-def _enter(state: _ShardedModule, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-    args, kwargs, input_dtype = _forward.before_forward(state.unit, args, kwargs, module.training)
-    state.input_dtypes.append(input_dtype)
-    return args, kwargs
-
-
-def _exit(state: _ShardedModule, args: Any, kwargs: Any, output: Any) -> Any:
-    input_dtype = state.input_dtypes.pop()
-    output = _forward.after_forward(state.unit, output, input_dtype, (args, kwargs))
-    if state.output_dtype is not None:
-        output = _forward.cast_floating(state.output_dtype, output)
-    return output
+# -- forward methods -----------------------------------------------------------------------
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Run ``module.<method_name>`` (e.g. ``generate``) as the module's forward: its
-    parameters unsharded around it, as its ``forward`` gets from the hooks."""
-    _state(module)  # raises unless fully_shard was applied to it
-    state: _ShardedModule = module.__dict__["_fullshard_state"]
+    parameters unsharded around it, as its ``forward`` gets from the hooks. On a module
+    ``fully_shard`` was not applied to it does nothing, as torch's, so scripts may call it
+    whether or not they shard the module."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module)} does not have a method {method_name}")
+    state: ShardedModule = state_of(module)
     method = getattr(module, method_name)
 
     @functools.wraps(method)
     def as_forward(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = _enter(state, module, args, kwargs)
-        return _exit(state, args, kwargs, method(*args, **kwargs))
+        args, kwargs = enter(state, module, args, kwargs)
+        return leave(state, args, kwargs, method(*args, **kwargs))
 
     setattr(module, method_name, as_forward)
-
-
-# -- the module's new class ----------------------------------------------------------------
-
-
-def _fsdp_class(cls: type[nn.Module]) -> type[nn.Module]:
-    if cls not in _FSDP_CLASSES:
-        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-    return _FSDP_CLASSES[cls]
-
-
-class UnshardHandle:
-    """What ``FSDPModule.unshard(async_op=True)`` returns: ``wait()`` waits for the
-    all-gather (the engine's ``UnshardWork``) and gives the module its unsharded parameters."""
-
-    def __init__(self, unit: Unit, work: _forward.UnshardWork) -> None:
-        self._unit: Unit | None = unit
-        self._work = work
-
-    def wait(self) -> None:
-        unit, self._unit = self._unit, None
-        self._work.wait()
-        handle = unit.handle if unit is not None else None
-        if handle is not None and handle.state == HandleState.UNSHARDED:
-            handle.use_unsharded_views()
-
-
-class FSDPModule:
-    """What ``fully_shard`` adds to a module's class (torch's ``FSDPModule`` methods)."""
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        # Containers build new instances of their own class when indexed (nn.Sequential
-        # slices): those are plain modules of the original class.
-        original: Any = cls.__mro__[2]
-        instance = original.__new__(original)
-        original.__init__(instance, *args, **kwargs)
-        return instance
-
-    def __deepcopy__(self, memo: Any) -> NoReturn:
-        raise AssertionError(
-            "FSDP does not support deepcopy. Please use state dict for serialization."
-        )
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
-        """``to_empty`` (materialising a model sharded on the meta device), ``.to()``,
-        ``.half()``...: convert, then give the unit a shard converted the same way and
-        re-point the DTensor parameters into it (``_engine.convert``)."""
-        unit = self._unit
-        convert.before_apply(unit)
-        result = super()._apply(fn, recurse)  # type: ignore[misc]
-        convert.after_apply(unit, fn)
-        return result
-
-    @property
-    def _unit(self) -> Unit:
-        state: _ShardedModule = self.__dict__["_fullshard_state"]
-        return state.unit
-
-    def _units(self, recurse: bool) -> list[Unit]:
-        return units_in(self) if recurse else [self._unit]  # type: ignore[arg-type]
-
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gather the parameters now (e.g. to overlap with other work before forward);
-        after ``wait()`` the module holds its unsharded parameters until ``reshard()`` or its
-        forward's end."""
-        unit = self._unit
-        if unit.runtime.training_state != TrainingState.IDLE:
-            raise RuntimeError(f"unshard() of '{unit.label}' inside its forward or backward")
-        work = UnshardHandle(unit, _forward.unshard(unit))
-        if async_op:
-            return work
-        work.wait()
-        return None
-
-    def reshard(self) -> None:
-        """Free the unsharded parameters; the module holds its DTensor parameters again."""
-        unit = self._unit
-        if unit.runtime.training_state != TrainingState.IDLE:
-            raise RuntimeError(f"reshard() of '{unit.label}' inside its forward or backward")
-        handle = unit.handle
-        if handle is not None and handle.state != HandleState.SHARDED:
-            handle.reshard()
-
-    def set_requires_gradient_sync(
-        self, requires_gradient_sync: bool, *, recurse: bool = True
-    ) -> None:
-        """False: backward accumulates unsharded gradients locally, with no reduce-scatter
-        (gradient accumulation); set True again before the last micro-batch's backward."""
-        for unit in self._units(recurse):
-            unit.runtime.sync_gradients = requires_gradient_sync
-
-    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """Whether non-root units free their unsharded parameters after forward (and gather
-        them again in backward)."""
-        if not isinstance(reshard_after_forward, bool):
-            raise ValueError(
-                f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}"
-            )
-        for unit in self._units(recurse):
-            unit.runtime.reshard_after_forward = reshard_after_forward
-
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide this unit's reduced gradients by ``factor`` instead of the number of data
-        parallel ranks."""
-        handle = self._unit.handle
-        if handle is not None:
-            handle.gradient_divide_factor = float(factor)
-
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP: False keeps each reduced gradient local to this replica's shard group
-        (summed over micro-batches, not yet in ``.grad``); the next backward with True
-        all-reduces the sum across replicas once and accumulates it into ``.grad``."""
-        for unit in self._units(recurse):
-            if unit.handle is not None:
-                unit.handle.all_reduce_replicas = requires_all_reduce
-
-    def set_reshard_after_backward(
-        self, reshard_after_backward: bool, *, recurse: bool = True
-    ) -> None:
-        """False: keep the parameters unsharded after backward, so the next forward (e.g. the
-        next micro-batch of gradient accumulation) needs no all-gather. If an optimizer step
-        changes the shard meanwhile, the next forward gathers again instead of computing with
-        stale parameters."""
-        for unit in self._units(recurse):
-            unit.runtime.reshard_after_backward = reshard_after_backward
-
-    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        """False: this module's backward does not read its parameters (an embedding: its
-        gradient needs only the indices), so the pre-backward hook gathers nothing. Wrong
-        if it does read them: they hold no storage then."""
-        self._unit.runtime.unshard_in_backward = unshard_in_backward
-
-    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """At this module's forward, issue the all-gathers of ``modules`` too (after its own),
-        so they overlap its compute; replaces the engine's own choice of the next module."""
-        self._unit.runtime.forward_prefetch_targets = _runtimes(modules, "forward")
-
-    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """At this module's pre-backward, issue the all-gathers of ``modules`` too."""
-        self._unit.runtime.backward_prefetch_targets = _runtimes(modules, "backward")
-
-    def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Accepted for torch's API. torch uses it to skip, on all but the last micro-batch's
-        backward, waiting for the last reduce-scatter on its stream; fullshard's backward
-        always ends with its gradients reduced (finalising them into ``.grad`` is part of
-        the wait), so every backward is complete and the flag changes nothing."""
-        if not isinstance(is_last_backward, bool):
-            raise TypeError(f"is_last_backward should be a bool, got {type(is_last_backward)}")
-
-
-def _runtimes(modules: list[FSDPModule], direction: str) -> list[UnitRuntime]:
-    runtimes = []
-    for module in modules:
-        if not isinstance(module, FSDPModule):
-            raise ValueError(
-                f"set_modules_to_{direction}_prefetch takes modules fully_shard was applied "
-                f"to, got a {type(module).__qualname__}"
-            )
-        runtimes.append(module._unit.runtime)
-    return runtimes

@@ -1,0 +1,118 @@
+"""What ``fully_shard`` keeps on a module, and the module hooks that drive its unit.
+
+``fully_shard`` registers a forward pre-hook and a forward hook on each module of a call;
+they hand the unit to the engine's ``before_forward`` / ``after_forward`` (the same the FSDP1
+front door calls from its ``forward``). A group (``fully_shard([a, b])``) is one unit: gathered
+before the first of its modules runs forward, resharded after the last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._engine import forward as _forward
+from .._engine.flat_param import HandleState
+from .._engine.runtime import TrainingState
+from .._engine.unit import Unit
+
+__all__ = ["ShardedModule", "enter", "leave", "post_forward", "pre_forward", "state_of"]
+
+STATE_ATTR = "_fullshard_state"
+"""Where a module ``fully_shard`` was applied to keeps its ``ShardedModule`` (its
+``__dict__``; the engine's registry holds units weakly, so the module must keep it alive)."""
+
+
+@dataclasses.dataclass
+class ShardedModule:
+    """What ``fully_shard`` keeps on the module it was applied to (whose class is now ours):
+    its unit (the engine's registry holds units weakly) and the FSDP2 options the engine's
+    settings do not carry."""
+
+    unit: Unit
+    output_dtype: torch.dtype | None
+    members: tuple[nn.Module, ...]
+    """The modules of the call (one, or a group given as a list)."""
+    input_dtypes: list[torch.dtype | None] = dataclasses.field(default_factory=list)
+    """Per forward in progress (a module may run inside itself), the dtype to cast outputs
+    back to for classes that compute in full precision (the engine's ``before_forward``)."""
+    yet_to_run: list[nn.Module] = dataclasses.field(default_factory=list)
+    """A group in forward: its modules whose forward has not finished yet."""
+    started: list[nn.Module] = dataclasses.field(default_factory=list)
+    """A group in forward: its modules whose forward has begun (one beginning again starts
+    the group's next forward: the last one raised before the group's end)."""
+
+    def forget_forward(self) -> None:
+        """After a forward raised (``reset_iter_state``): no forward is in progress."""
+        self.input_dtypes.clear()
+        self.yet_to_run.clear()
+        self.started.clear()
+
+
+def state_of(module: nn.Module) -> ShardedModule:
+    state: ShardedModule = module.__dict__[STATE_ATTR]
+    return state
+
+
+# -- hooks ---------------------------------------------------------------------------------
+
+
+def pre_forward(state: ShardedModule, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    if len(state.members) > 1:
+        if state.yet_to_run and module not in state.started:
+            state.started.append(module)  # the group's forward began at an earlier module
+            return args, kwargs
+        if state.yet_to_run:  # this module again before the group's end: a forward raised
+            state.input_dtypes.clear()
+        state.yet_to_run, state.started = list(state.members), [module]
+    return enter(state, module, args, kwargs)
+
+
+def post_forward(
+    state: ShardedModule, module: nn.Module, args: Any, kwargs: Any, output: Any
+) -> Any:
+    if len(state.members) > 1:
+        state.yet_to_run = [m for m in state.yet_to_run if m is not module]
+        if state.yet_to_run:  # resharded after the group's last module
+            return output
+    return leave(state, args, kwargs, output)
+
+
+def enter(state: ShardedModule, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    args, kwargs, input_dtype = _forward.before_forward(state.unit, args, kwargs, module.training)
+    state.input_dtypes.append(input_dtype)
+    return args, kwargs
+
+
+def leave(state: ShardedModule, args: Any, kwargs: Any, output: Any) -> Any:
+    input_dtype = state.input_dtypes.pop()
+    output = _forward.after_forward(state.unit, output, input_dtype, (args, kwargs))
+    if state.output_dtype is not None:
+        output = _forward.cast_floating(state.output_dtype, output)
+    return output
+
+
+def register_state_dict_hooks(unit: Unit) -> None:
+    """Reshard before ``state_dict()`` / ``load_state_dict()`` reach the unit's modules, as
+    torch's: a unit kept unsharded (the root after forward, ``reshard_after_forward=False``)
+    registers its unsharded parameters, and state dicts are of the sharded DTensors."""
+
+    def to_sharded(*args: Any, **kwargs: Any) -> None:
+        handle = unit.handle
+        if (
+            handle is not None
+            and handle.state != HandleState.SHARDED
+            and unit.runtime.training_state == TrainingState.IDLE
+        ):
+            handle.reshard()
+
+    handle = unit.handle
+    if handle is None:
+        return
+    modules = {id(m): m for owners in handle.owners for m, _ in owners}
+    for module in modules.values():
+        module.register_state_dict_pre_hook(to_sharded)
+        module._register_load_state_dict_pre_hook(to_sharded)

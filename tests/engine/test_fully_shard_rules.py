@@ -1,0 +1,574 @@
+"""FSDP2's rules as torch's ``fully_shard`` has them, each checked against torch's own FSDP2 (or
+DDP) on gloo ranks: parameters with fewer rows than ranks, torch's own config objects, when
+the root and kept units register unsharded parameters, ``register_fsdp_forward_method`` on
+plain modules, and the ``FSDPModule`` methods of torch 2.13 (issue 30)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from harness import run_on_ranks
+
+D = 5
+
+
+class FewRows(nn.Module):
+    """Parameters of 1, 2, 3 and 5 rows: on 2 to 4 ranks some ranks hold none of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.start = nn.Parameter(torch.randn(1, D))  # a start token: 1 row
+        self.gate = nn.Parameter(torch.randn(2, D))  # 2 rows
+        self.proj = nn.Linear(D, 3)  # 3 rows, and a bias of 3
+        self.out = nn.Linear(3, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = (x + self.start) * torch.sigmoid(self.gate).mean(0)
+        return self.out(torch.relu(self.proj(h)))
+
+
+def _fully_shard(api: str) -> Any:
+    if api == "torch":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from fullshard import fully_shard
+    return fully_shard
+
+
+def _batch(step: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    return torch.randn(4, D, generator=generator)
+
+
+def _few_rows(api: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = FewRows()
+    if api == "ddp":
+        return DDP(model)
+    fully_shard = _fully_shard(api)
+    fully_shard(model.proj)
+    fully_shard(model)
+    return model
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+def _train_few_rows(api: str, steps: int, norm_type: float) -> tuple[list[float], dict[str, Any]]:
+    model = _few_rows(api)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        loss = model(_batch(step)).pow(2).mean()
+        loss.backward()
+        if api != "ddp":  # every rank holds a DTensor gradient, empty where it has no rows
+            for name, param in model.named_parameters():
+                assert isinstance(param.grad, DTensor), name
+                rows = torch.chunk(torch.empty(param.shape[0]), dist.get_world_size())
+                mine = rows[dist.get_rank()].numel() if dist.get_rank() < len(rows) else 0
+                assert param.grad.to_local().shape[0] == mine, name
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, norm_type=norm_type)
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    params = {n.removeprefix("module."): _full(p) for n, p in model.named_parameters()}
+    return losses, params
+
+
+def _few_rows_parity(norm_type: float) -> None:
+    ours, our_params = _train_few_rows("fullshard", 5, norm_type)
+    ddp, ddp_params = _train_few_rows("ddp", 5, norm_type)
+    assert ours == pytest.approx(ddp, rel=1e-5), (ours, ddp)
+    for name, value in ddp_params.items():
+        torch.testing.assert_close(our_params[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_parameters_with_fewer_rows_than_ranks_train_as_ddp(world_size: int) -> None:
+    """Parameters of 1, 2 and 3 rows on 2, 3 and 4 ranks: every rank gets a DTensor gradient
+    (empty local tensors included), torch's clip_grad_norm_ runs the same collectives on every
+    rank, and 5 AdamW steps match DDP."""
+    run_on_ranks(world_size, _few_rows_parity, 2.0)
+
+
+def _few_rows_inf_norm() -> None:
+    """The inf-norm where no local gradient is empty (every parameter has a row per rank)."""
+    for api in ("fullshard", "ddp"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(D, 4), nn.Linear(4, 2))
+        if api == "ddp":
+            model = DDP(model)
+        else:
+            _fully_shard(api)(model[0])
+            _fully_shard(api)(model)
+        model(_batch(0)).pow(2).sum().backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1, norm_type=float("inf"))
+        if api == "fullshard":
+            ours, our_grads = _full(norm), [_full(p.grad) for p in model.parameters()]
+    torch.testing.assert_close(ours, _full(norm))
+    for mine, theirs in zip(our_grads, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(mine, theirs)
+
+
+def test_inf_norm_clips_as_ddp() -> None:
+    run_on_ranks(2, _few_rows_inf_norm)
+
+
+def _save_few_rows(path: str) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = _few_rows("fullshard")
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(3):
+        model(_batch(step)).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+    model_state, optim_state = get_state_dict(model, optim)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    return _few_rows_state(model, optim)
+
+
+def _few_rows_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    full = {}
+    for name, param in model.named_parameters():
+        full[name] = _full(param)
+        for key in ("exp_avg", "exp_avg_sq"):
+            full[f"{name}.{key}"] = _full(optim.state[param][key])
+    return full
+
+
+def _load_few_rows(path: str) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = _few_rows("fullshard")
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(_batch(0)).sum().backward()  # Adam's state exists before loading into it
+    optim.step()
+    optim.zero_grad()
+    model_state, optim_state = get_state_dict(model, optim)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return _few_rows_state(model, optim)
+
+
+@pytest.mark.parametrize(("saved_on", "loaded_on"), [(2, 3), (4, 2)])
+def test_dcp_of_parameters_with_fewer_rows_than_ranks(
+    saved_on: int, loaded_on: int, tmp_path: Any
+) -> None:
+    """Saved with empty local shards on some ranks, loaded at another world size: every
+    parameter and AdamW moment comes back exactly."""
+    path = str(tmp_path / "checkpoint")
+    saved = run_on_ranks(saved_on, _save_few_rows, path)[0]
+    loaded = run_on_ranks(loaded_on, _load_few_rows, path)[0]
+    for name, value in saved.items():
+        torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=name)
+
+
+# -- torch's own config objects ------------------------------------------------------------
+
+
+def _torch_configs() -> None:
+    from torch.distributed import fsdp as torch_fsdp
+
+    import fullshard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 4), nn.Linear(4, 2))
+    fullshard.fully_shard(
+        model,
+        mp_policy=torch_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+        offload_policy=torch_fsdp.CPUOffloadPolicy(pin_memory=False),
+    )
+    unit = fullshard.fully_shard.state(model)
+    assert unit.settings.offload_params  # torch's CPUOffloadPolicy was silently dropped
+    assert model(_batch(0)).dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="mp_policy must be a MixedPrecisionPolicy"):
+        fullshard.fully_shard(nn.Linear(2, 2), mp_policy=torch_fsdp.MixedPrecision())
+
+    wrapped = fullshard.FullyShardedDataParallel(
+        nn.Linear(D, 4),
+        sharding_strategy=torch_fsdp.ShardingStrategy.SHARD_GRAD_OP,
+        mixed_precision=torch_fsdp.MixedPrecision(param_dtype=torch.float16),
+        cpu_offload=torch_fsdp.CPUOffload(offload_params=True),
+        backward_prefetch=torch_fsdp.BackwardPrefetch.BACKWARD_POST,
+    )
+    assert wrapped.sharding_strategy is fullshard.ShardingStrategy.SHARD_GRAD_OP
+    assert wrapped.mixed_precision.param_dtype == torch.float16
+    assert wrapped.cpu_offload.offload_params
+    assert wrapped.backward_prefetch is fullshard.BackwardPrefetch.BACKWARD_POST
+    with fullshard.FullyShardedDataParallel.state_dict_type(
+        wrapped,
+        torch_fsdp.StateDictType.SHARDED_STATE_DICT,
+        torch_fsdp.ShardedStateDictConfig(offload_to_cpu=True),
+    ):
+        assert all(isinstance(v, DTensor) for v in wrapped.state_dict().values())
+    settings = fullshard.FullyShardedDataParallel.get_state_dict_type(wrapped)
+    assert settings.state_dict_type is fullshard.StateDictType.FULL_STATE_DICT
+
+
+def test_torch_config_objects_are_taken_field_for_field() -> None:
+    """Both doors take torch's own MixedPrecisionPolicy, CPUOffloadPolicy, ShardingStrategy,
+    MixedPrecision, CPUOffload, BackwardPrefetch, StateDictType and state-dict configs."""
+    run_on_ranks(2, _torch_configs)
+
+
+# -- what is registered after forward -------------------------------------------------------
+
+
+def _registrations(api: str, reshard_after_forward: bool | None, no_grad: bool) -> list[Any]:
+    """Per parameter after one forward: (is a DTensor, its full values)."""
+    fully_shard = _fully_shard(api)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 4), nn.Linear(4, 2))
+    kwargs = (
+        {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
+    )
+    fully_shard(model[0], **kwargs)
+    fully_shard(model, **kwargs)
+    with torch.set_grad_enabled(not no_grad):
+        output = model(_batch(0))
+    seen = [(isinstance(p, DTensor), _full(p)) for p in model.parameters()]
+    if not no_grad:
+        output.sum().backward()
+    return seen
+
+
+def _registered_as_torch() -> None:
+    for reshard_after_forward in (None, True, False):
+        for no_grad in (False, True):
+            ours = _registrations("fullshard", reshard_after_forward, no_grad)
+            theirs = _registrations("torch", reshard_after_forward, no_grad)
+            assert [s for s, _ in ours] == [s for s, _ in theirs], (reshard_after_forward, no_grad)
+            for (_, mine), (_, their) in zip(ours, theirs):
+                torch.testing.assert_close(mine, their)
+
+
+def test_parameters_registered_after_forward_are_torchs() -> None:
+    """The root (reshard_after_forward=None) and units given False keep their unsharded
+    parameters registered after forward, also under no_grad; True reshards the root too."""
+    run_on_ranks(2, _registered_as_torch)
+
+
+def _kept_across_eval() -> None:
+    from fullshard import fully_shard
+    from fullshard._comm.collectives import COUNTERS
+
+    model = nn.Sequential(nn.Linear(D, 4), nn.Linear(4, 2))
+    fully_shard(model[0])
+    fully_shard(model)
+    model.set_reshard_after_forward(False)
+    with torch.no_grad():
+        model(_batch(0))
+        COUNTERS.reset()
+        model(_batch(1))
+    assert COUNTERS.calls["all_gather"] == 0
+    assert not isinstance(model[0].weight, DTensor)
+    assert all(isinstance(v, DTensor) for v in model.state_dict().values())  # resharded first
+    assert isinstance(model[0].weight, DTensor)
+
+
+def test_set_reshard_after_forward_false_keeps_parameters_across_no_grad_forwards() -> None:
+    run_on_ranks(2, _kept_across_eval)
+
+
+def _forward_method_on_plain_modules() -> None:
+    from fullshard import register_fsdp_forward_method
+
+    module = nn.Linear(2, 2)
+    register_fsdp_forward_method(module, "forward")  # torch: a no-op, scripts call it anyway
+    assert "forward" not in module.__dict__
+    from fullshard import fully_shard
+
+    fully_shard(module)
+    with pytest.raises(ValueError, match="does not have a method generate"):
+        register_fsdp_forward_method(module, "generate")
+
+
+def test_register_fsdp_forward_method_on_a_plain_module_does_nothing() -> None:
+    run_on_ranks(2, _forward_method_on_plain_modules)
+
+
+# -- the methods of torch 2.13's FSDPModule -------------------------------------------------
+
+
+class _Comm:
+    """A custom all-gather / reduce-scatter (torch's ``Comm`` interface) over c10d."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind, self.calls, self.allocations = kind, 0, 0
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        self.allocations += 1
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.kind == "all_gather":
+            return dist.all_gather_into_tensor(
+                output_tensor, input_tensor, group=group, async_op=kwargs.get("async_op", False)
+            )
+        return dist.reduce_scatter_tensor(
+            output_tensor,
+            input_tensor,
+            op=kwargs.get("op", dist.ReduceOp.SUM),
+            group=group,
+            async_op=kwargs.get("async_op", False),
+        )
+
+
+def _train_with_methods(api: str) -> tuple[list[float], list[torch.Tensor], list[int], int]:
+    """force-sum reductions, an all-reduce hook doubling the sum, custom collectives, and
+    post-accumulate-grad hooks stepping an optimizer per parameter, on torch's or ours."""
+    torch.manual_seed(0)
+    model = FewRows()
+    fully_shard = _fully_shard(api)
+    fully_shard(model.proj)
+    fully_shard(model)
+    hooked: list[int] = []
+    for module in (model.proj, model):
+        module.set_force_sum_reduction_for_comms(True)  # gloo has no average
+        module.set_all_reduce_hook(lambda reduced: (hooked.append(1), reduced.mul_(2)))
+    gather, scatter = _Comm("all_gather"), _Comm("reduce_scatter")
+    model.proj.set_custom_all_gather(gather)
+    model.proj.set_custom_reduce_scatter(scatter)
+    optims = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+    steps: list[int] = []
+
+    def step_in_backward(param: torch.Tensor) -> None:
+        steps.append(1)
+        optims[param].step()
+        optims[param].zero_grad()
+
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(step_in_backward)
+    losses = []
+    for step in range(3):
+        loss = model(_batch(step)).pow(2).mean()
+        loss.backward()
+        losses.append(loss.item())
+    params = [_full(p) for p in model.parameters()]
+    return losses, params, [gather.calls, scatter.calls, len(hooked)], len(steps)
+
+
+def _methods_as_torch() -> None:
+    ours = _train_with_methods("fullshard")
+    theirs = _train_with_methods("torch")
+    assert ours[0] == pytest.approx(theirs[0], rel=1e-5), (ours[0], theirs[0])
+    for mine, their in zip(ours[1], theirs[1]):
+        torch.testing.assert_close(mine, their, rtol=1e-5, atol=1e-6)
+    assert ours[2] == theirs[2] and ours[3] == theirs[3]
+    assert ours[2][0] > 0 and ours[2][1] > 0 and ours[3] > 0
+
+
+def test_reduction_hooks_custom_collectives_and_post_accumulate_hooks_as_torch() -> None:
+    """set_force_sum_reduction_for_comms, set_all_reduce_hook (it sees the sum and may change
+    it), set_custom_all_gather / set_custom_reduce_scatter (called, and the training is
+    torch's), and hooks on the DTensor parameters stepping optimizers in backward."""
+    run_on_ranks(2, _methods_as_torch)
+
+
+class _MaybeSkips(FewRows):
+    """``proj`` runs only where ``uses_proj``."""
+
+    def __init__(self, uses_proj: bool) -> None:
+        super().__init__()
+        self.uses_proj = uses_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = (x + self.start) * torch.sigmoid(self.gate).mean(0)
+        if self.uses_proj:
+            h = h + self.proj(h).sum(-1, keepdim=True)
+        return self.out(h[..., :3])
+
+
+def _unused(api: str, flag: bool, rank_uses: bool) -> list[bool]:
+    """Which parameters have a gradient after a backward in which ``proj`` is skipped on
+    every rank, or (``rank_uses``) used on rank 0 only."""
+    torch.manual_seed(0)
+    model = _MaybeSkips(uses_proj=rank_uses and dist.get_rank() == 0)
+    _fully_shard(api)(model)
+    if flag:
+        model.set_reduce_scatter_unused_params(True)
+    model(_batch(0)).sum().backward()
+    return [p.grad is not None for p in model.parameters()]
+
+
+def _unused_as_torch() -> None:
+    for flag in (False, True):
+        assert _unused("fullshard", flag, False) == _unused("torch", flag, False), flag
+    assert _unused("fullshard", False, False) == [True, True, False, False, True, True]
+    # Ranks that disagree: torch needs the flag (else its collectives mismatch); fullshard
+    # gives every rank the reduced gradient either way.
+    assert _unused("fullshard", False, True) == _unused("torch", True, True)
+
+
+def test_parameters_without_a_gradient_keep_none_as_torch() -> None:
+    """A parameter no rank's backward reached keeps no gradient (AdamW then skips it), unless
+    set_reduce_scatter_unused_params(True); see [Note: parameters without a gradient]."""
+    run_on_ranks(2, _unused_as_torch)
+
+
+class _Fails(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            raise ValueError("a failing forward")
+        return self.lin(x)
+
+
+def _reset_after_failure(api: str) -> list[float]:
+    fully_shard = _fully_shard(api)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D), _Fails(), nn.Linear(D, 1))
+    for module in model:
+        fully_shard(module)
+    fully_shard(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(3):
+        model[1].fail = step == 1
+        try:
+            loss = model(_batch(step)).sum()
+        except ValueError:
+            model.reset_iter_state()
+            continue
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _reset_as_torch() -> None:
+    ours, theirs = _reset_after_failure("fullshard"), _reset_after_failure("torch")
+    assert len(ours) == 2 and ours == pytest.approx(theirs, rel=1e-6)
+    from fullshard import fully_shard
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    fully_shard(model[0])
+    fully_shard(model)
+    model(torch.randn(1, 2))
+    with pytest.raises(RuntimeError, match="reset_iter_state must be called on the root"):
+        model[0].reset_iter_state()
+
+
+def test_reset_iter_state_after_a_forward_raised() -> None:
+    run_on_ranks(2, _reset_as_torch)
+
+
+def _accumulate(last_backward_flags: bool) -> tuple[list[torch.Tensor], dict[str, float]]:
+    from fullshard import fully_shard
+    from fullshard._comm.collectives import COUNTERS
+
+    torch.manual_seed(0)
+    model = FewRows()
+    fully_shard(model.proj)
+    fully_shard(model)
+    COUNTERS.reset()
+    for micro in range(3):
+        if last_backward_flags:
+            model.set_is_last_backward(micro == 2)
+        model(_batch(micro)).sum().backward()
+    return [_full(p.grad) for p in model.parameters()], dict(COUNTERS.calls)
+
+
+def _is_last_backward_changes_nothing() -> None:
+    plain, plain_calls = _accumulate(False)
+    flagged, flagged_calls = _accumulate(True)
+    assert plain_calls == flagged_calls
+    for a, b in zip(plain, flagged):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_set_is_last_backward_changes_nothing_observable() -> None:
+    """fullshard's backward always ends with its gradients reduced into ``.grad``: the same
+    gradients and the same collectives with or without set_is_last_backward."""
+    run_on_ranks(2, _is_last_backward_changes_nothing)
+
+
+class _Event:
+    """Stands in for an accelerator's event recorded after an optimizer step."""
+
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def synchronize(self) -> None:
+        self.waits += 1
+
+
+def _other_methods() -> None:
+    import fullshard
+    from fullshard import DataParallelMeshDims, fully_shard, share_comm_ctx
+
+    model = FewRows()
+    fully_shard(model.proj)
+    fully_shard(model)
+    with pytest.warns(DeprecationWarning, match="Use `set_gradient_divide_factor` instead"):
+        model.set_reduce_scatter_divide_factor(4.0)
+    assert fully_shard.state(model).handle.gradient_divide_factor == 4.0
+    model.set_reduce_scatter_max_input_buffers(2)
+    with pytest.raises(TypeError, match="max_input_buffers must be an int, got bool"):
+        model.set_reduce_scatter_max_input_buffers(True)
+    with pytest.raises(ValueError, match="max_input_buffers must be a positive int, got 0"):
+        model.set_reduce_scatter_max_input_buffers(0)
+    for method, args in [
+        ("set_symm_mem_for_comm", ()),
+        ("set_allocate_memory_from_process_group_for_comm", (True,)),
+        ("set_separate_reduce_scatter_group", ()),
+    ]:
+        with pytest.raises(NotImplementedError, match=f"FSDPModule.{method} is not implemented"):
+            getattr(model, method)(*args)
+    share_comm_ctx([model, model.proj])
+    with pytest.raises(ValueError, match="Expects list of FSDPModules"):
+        share_comm_ctx([model, nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match="At least one of shard or replicate"):
+        DataParallelMeshDims()
+    with pytest.raises(NotImplementedError, match="dp_mesh_dims"):
+        fully_shard(nn.Linear(2, 2), dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    event = _Event()  # torch.Event cannot be recorded on the CPU
+    model.set_post_optim_event(event)
+    model(_batch(0)).sum().backward()
+    model(_batch(1)).sum().backward()
+    assert event.waits == 1  # waited for at the next forward, then discarded
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fullshard.FSDPModule._orig_cls_mro_index == 2
+
+
+def test_the_rest_of_torchs_fsdp_module_methods() -> None:
+    run_on_ranks(2, _other_methods)
+
+
+def test_the_public_surface_is_torchs() -> None:
+    """Every public name of torch's ``torch.distributed.fsdp`` and every public method of its
+    ``FSDPModule`` exists in fullshard (a stub raises NotImplementedError naming itself)."""
+    import inspect
+
+    from torch.distributed import fsdp as torch_fsdp
+
+    import fullshard
+
+    assert [n for n in torch_fsdp.__all__ if not hasattr(fullshard, n)] == []
+    public = [n for n in dir(torch_fsdp.FSDPModule) if not n.startswith("_")]
+    assert [n for n in public if not hasattr(fullshard.FSDPModule, n)] == []
+    theirs = inspect.signature(torch_fsdp.fully_shard).parameters
+    ours = inspect.signature(fullshard.fully_shard).parameters
+    assert list(ours) == list(theirs)
