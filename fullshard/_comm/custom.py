@@ -91,13 +91,14 @@ def reduce_scatter(
 
 @contextlib.contextmanager
 def _on_stream(stream: Any) -> Iterator[None]:
-    """Run the block on ``stream`` (an accelerator stream), ordered after the current
-    stream's work and before anything the current stream does next; on the CPU (or with
-    no stream) just run it."""
-    if stream is None or getattr(stream, "device", torch.device("cpu")).type == "cpu":
+    """Run the block with ``stream`` current, ordered after the current stream's work and
+    before anything the current stream does next (no stream: run it as it is). A CPU
+    stream has no ``device``; its module is ``torch.cpu``."""
+    if stream is None:
         yield
         return
-    module = torch.get_device_module(stream.device.type)
+    device = getattr(stream, "device", None)
+    module = torch.get_device_module(device.type if device is not None else "cpu")
     current = module.current_stream()
     stream.wait_stream(current)
     with module.stream(stream):

@@ -6,6 +6,8 @@ parameters] in runtime.py)."""
 from __future__ import annotations
 
 import bisect
+import copy
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,7 +18,7 @@ __all__: list[str] = []
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside nested tuples (namedtuples too), lists and dicts."""
+    """Every tensor inside nested tuples (namedtuples too), lists, dicts and dataclasses."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (tuple, list)):
@@ -25,10 +27,18 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, dict):
         for item in obj.values():
             yield from iter_tensors(item)
+    elif _is_dataclass_instance(obj):
+        for field in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, field.name))
+
+
+def _is_dataclass_instance(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
-    """Apply ``fn`` to every tensor inside nested tuples, namedtuples, lists and dicts."""
+    """Apply ``fn`` to every tensor inside nested tuples, namedtuples, lists, dicts and
+    dataclasses."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
@@ -37,6 +47,11 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
         return type(obj)(map_tensors(fn, item) for item in obj)
     if isinstance(obj, dict):
         return type(obj)((key, map_tensors(fn, value)) for key, value in obj.items())
+    if _is_dataclass_instance(obj):  # a copy with its tensors mapped, as torch's FSDP makes
+        result = copy.copy(obj)
+        for field in dataclasses.fields(obj):
+            object.__setattr__(result, field.name, map_tensors(fn, getattr(obj, field.name)))
+        return result
     return obj
 
 

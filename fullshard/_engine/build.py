@@ -97,7 +97,7 @@ def _make_handle(
             if settings.dtensor_mesh is None
             else DTensorParams(
                 settings.dtensor_mesh,
-                [p.shape for p in params],
+                params,
                 [settings.dtensor_shard_dim(p) for p in params]
                 if settings.dtensor_shard_dim is not None
                 else None,

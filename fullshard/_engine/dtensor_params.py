@@ -13,21 +13,72 @@ them, as torch's FSDP2 does.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 __all__: list[str] = []
+
+_MADE_BY: weakref.WeakValueDictionary[int, DTensorParams] = weakref.WeakValueDictionary()
+"""id of a DTensor parameter a unit made (or adopted) -> that unit's ``DTensorParams``, which
+holds the parameter (held weakly: the entry dies with the unit). Not a weak reference to the
+parameter itself: ``torch.utils.swap_tensors`` (``to_empty`` of a meta model) refuses tensors
+that have one."""
+
+
+def sharded_by_a_unit(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a DTensor parameter some unit made. One that is not, found by
+    ``fully_shard``, belongs to another parallelism (tensor parallel): the unit shards its
+    local tensor further (see [Note: tensor-parallel parameters])."""
+    owner = _MADE_BY.get(id(param))
+    return owner is not None and owner.made.get(id(param)) is param
 
 
 def placements_for(mesh: DeviceMesh, dim: int = 0) -> tuple[Placement, ...]:
     """``Shard(dim)`` on a 1-D mesh; ``(Replicate(), Shard(dim))`` on a 2-D (replicate,
     shard) one."""
     return (Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim))
+
+
+# [Note: tensor-parallel parameters]
+# A parameter that is a DTensor already when `fully_shard` meets it (tensor parallel:
+# `parallelize_module` with ColwiseParallel, RowwiseParallel, ... on a "tp" mesh) is sharded
+# as torch's FSDP2 shards it: the unit lays out its *local* tensor (this rank's TP piece) and
+# splits that on dim 0 over the data-parallel mesh. The sharded parameter is a DTensor on the
+# data-parallel and TP meshes concatenated, with the data-parallel placement first: Shard(0),
+# or `_StridedShard(0, split_factor=t)` where TP already splits dim 0 into t pieces (the
+# local rows then interleave with TP's), preceded by Replicate() under HSDP; the TP
+# placements follow. Modules compute with the gathered TP piece as a DTensor on the TP mesh
+# with its TP placements (`DTensor.from_local`, which autograd traverses: the gradient
+# reaches the unit as the TP piece's gradient, redistributed to the TP placements first),
+# and the gradient is reduced over the data-parallel mesh only.
+
+
+class _TensorParallel:
+    """What a tensor-parallel parameter keeps of its DTensor: its TP spec, and the spec of
+    its sharded form on the concatenated mesh (without dtype: made per dtype)."""
+
+    def __init__(self, spec: DTensorSpec, dp_mesh: DeviceMesh, dim: int) -> None:
+        self.spec = spec
+        if len(spec.placements) > 2:
+            raise NotImplementedError(
+                f"FSDP only supports 1D TP/EP or 2D EP+TP, not {spec.placements}"
+            )
+        self.mesh = DeviceMesh._concatenate([dp_mesh, spec.mesh])
+        split_factor = spec.num_shards_map[dim]
+        shard: Placement = (
+            _StridedShard(dim, split_factor=split_factor) if split_factor > 1 else Shard(dim)
+        )
+        self.placements: tuple[Placement, ...] = (
+            (Replicate(),) * (dp_mesh.ndim - 1) + (shard,) + tuple(spec.placements)
+        )
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -50,7 +101,7 @@ class DTensorParams:
     def __init__(
         self,
         mesh: DeviceMesh,
-        shapes: list[torch.Size],
+        params: Sequence[torch.Tensor],
         dims: list[int] | None = None,
         post_forward_group: dist.ProcessGroup | None = None,
     ) -> None:
@@ -58,21 +109,57 @@ class DTensorParams:
         self.post_forward_group = post_forward_group
         """``reshard_after_forward=k``: the ``k`` ranks this rank keeps parameters over
         after forward (see ``dim0_unsharded.PostForwardShard``)."""
-        self.dims = dims if dims is not None else [0] * len(shapes)
+        self.dims = dims if dims is not None else [0] * len(params)
         """Per parameter, the dim it is sharded on (see [Note: sharding on another dim])."""
-        self._placements = [placements_for(mesh, dim) for dim in self.dims]
-        self._shapes = shapes
-        self._strides = [torch.empty(shape, device="meta").stride() for shape in shapes]
-        """Each parameter's contiguous stride (its DTensors' global stride)."""
+        self._tp: list[_TensorParallel | None] = [
+            _TensorParallel(p._spec, mesh, dim)
+            if isinstance(p, DTensor) and not sharded_by_a_unit(p)
+            else None
+            for p, dim in zip(params, self.dims)
+        ]
+        """Per parameter, its tensor parallelism (see [Note: tensor-parallel parameters])."""
+        self._placements = [
+            placements_for(mesh, dim) if tp is None else tp.placements
+            for tp, dim in zip(self._tp, self.dims)
+        ]
+        self._meshes = [mesh if tp is None else tp.mesh for tp in self._tp]
+        self._shapes = [p.shape for p in params]
+        """Each parameter's (global) shape; its strides are contiguous ones."""
+        self._strides = [torch.empty(shape, device="meta").stride() for shape in self._shapes]
         self._layout_shapes = [
-            self.to_layout(index, torch.empty(shape, device="meta")).shape
-            for index, shape in enumerate(shapes)
+            self.to_layout(index, torch.empty(local_tensor(p).shape, device="meta")).shape
+            for index, p in enumerate(params)
         ]
         self._specs: dict[tuple[int, torch.dtype], DTensorSpec] = {}
         """(parameter, dtype) -> the spec its DTensors share (see ``wrap``)."""
+        self.made: dict[int, nn.Parameter] = {}
+        """id -> the DTensor parameters this unit made or adopted (see ``sharded_by_a_unit``)."""
+
+    def adopt(self, param: nn.Parameter) -> None:
+        """``param`` (a DTensor parameter) is the unit's from now on."""
+        self.made[id(param)] = param
+        _MADE_BY[id(param)] = self
+
+    def unsharded(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        """Parameter ``index``'s unsharded ``tensor`` as modules compute with it: a TP piece
+        becomes its DTensor on the TP mesh (differentiably), anything else stays itself."""
+        tp = self._tp[index]
+        if tp is None:
+            return tensor
+        spec = tp.spec
+        return DTensor.from_local(
+            tensor,
+            spec.mesh,
+            spec.placements,
+            run_check=False,
+            shape=spec.shape,
+            stride=spec.stride,
+        )
 
     def to_layout(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
-        """Parameter ``index`` (or its gradient) in the orientation the layout splits on dim 0."""
+        """Parameter ``index`` (or its gradient) in the orientation the layout splits on dim 0;
+        of a tensor-parallel DTensor, its local TP piece."""
+        tensor = local_tensor(tensor)
         dim = self.dims[index]
         return tensor.movedim(dim, 0) if dim else tensor
 
@@ -103,12 +190,14 @@ class DTensorParams:
         spec = self._specs.get(key)
         if spec is None:
             meta = TensorMeta(self._shapes[index], self._strides[index], piece.dtype)
-            spec = DTensorSpec(self.mesh, self._placements[index], tensor_meta=meta)
+            spec = DTensorSpec(self._meshes[index], self._placements[index], tensor_meta=meta)
             self._specs[key] = spec
         return DTensor(self._local(index, piece), spec, requires_grad=False)
 
     def make_param(self, index: int, piece: torch.Tensor, requires_grad: bool) -> nn.Parameter:
-        return nn.Parameter(self.wrap(index, piece.detach()), requires_grad=requires_grad)
+        param = nn.Parameter(self.wrap(index, piece.detach()), requires_grad=requires_grad)
+        self.adopt(param)
+        return param
 
     def repoint(self, param: nn.Parameter, index: int, piece: torch.Tensor) -> None:
         """Make ``param``'s local tensor ``piece`` (reshaped) if it is not already."""

@@ -106,7 +106,7 @@ class FlatParamHandle(OrigParamViews, GradReduction):
     ) -> None:
         if not params:
             raise ValueError("a FlatParamHandle needs at least one parameter")
-        self._check_uniform_dtype(params, fqns)
+        self._check_uniform_dtype(params, fqns, by_requires_grad=dtensor_params is not None)
         self.label = label
         self.groups = groups
         self.sharding_strategy = strategy
@@ -128,13 +128,14 @@ class FlatParamHandle(OrigParamViews, GradReduction):
         self.layout: UnitLayout = make_unit_layout(  # FSDP2 splits each parameter on dim 0
             fqns, shapes, trains, num_shards, dim0=dtensor_params is not None
         )
-        self._orig_param_dtype: torch.dtype = params[0].dtype
-        self._fwd_bwd_param_dtype: torch.dtype = params[0].dtype
-        self._reduce_dtype: torch.dtype = params[0].dtype
+        first = params[self.layout.param_indices(0)[0]]  # trainable, when any are
+        self._orig_param_dtype: torch.dtype = first.dtype
+        self._fwd_bwd_param_dtype: torch.dtype = first.dtype
+        self._reduce_dtype: torch.dtype = first.dtype
         self._keep_low_precision_grads = bool(
             mixed_precision is not None and mixed_precision.keep_low_precision_grads
         )
-        self._set_dtypes(params[0].dtype)
+        self._set_dtypes(first.dtype)
         self._segments: tuple[FlatSegment, ...] = self._make_segments(params)
         """The trainable segment first (see [Note: frozen parameters])."""
         self.flat_param: FlatParameter = self._segments[0].flat_param
@@ -152,14 +153,27 @@ class FlatParamHandle(OrigParamViews, GradReduction):
     # -- construction -------------------------------------------------------------------
 
     @staticmethod
-    def _check_uniform_dtype(params: list[nn.Parameter], fqns: list[str]) -> None:
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) > 1:
-            found = ", ".join(f"{fqn}: {p.dtype}" for fqn, p in zip(fqns, params))
-            raise ValueError(
-                f"FSDP expects every parameter of one unit to have the same dtype, got {found}; "
-                "cast the module to one dtype or wrap the differing modules in their own units"
-            )
+    def _check_uniform_dtype(
+        params: list[nn.Parameter], fqns: list[str], by_requires_grad: bool
+    ) -> None:
+        """One dtype per unit (FSDP1, as torch's); FSDP2: one for the trainable parameters and
+        one for the frozen ones, which torch lets differ (e.g. frozen float8 weights)."""
+        groups = (
+            [
+                [i for i, p in enumerate(params) if p.requires_grad is trains]
+                for trains in (True, False)
+            ]
+            if by_requires_grad
+            else [list(range(len(params)))]
+        )
+        for indices in groups:
+            if len({params[i].dtype for i in indices}) > 1:
+                found = ", ".join(f"{fqns[i]}: {params[i].dtype}" for i in indices)
+                raise ValueError(
+                    f"FSDP expects every parameter of one unit to have the same dtype, got "
+                    f"{found}; cast the module to one dtype or wrap the differing modules in "
+                    "their own units"
+                )
 
     def _make_segments(self, params: list[nn.Parameter]) -> tuple[FlatSegment, ...]:
         segments = []
@@ -174,7 +188,7 @@ class FlatParamHandle(OrigParamViews, GradReduction):
                 self.uses_sharded_strategy,
                 self.device,
                 self._offload_params,
-                self._fwd_bwd_param_dtype,
+                self._compute_dtype(params[indices[0]].dtype),
                 shard_dims=None if dtensors is None else [dtensors.dims[i] for i in indices],
                 post_forward_group=None if dtensors is None else dtensors.post_forward_group,
             )
@@ -238,8 +252,16 @@ class FlatParamHandle(OrigParamViews, GradReduction):
         """Names a segment's collectives: the unit's label, marked for the frozen segment."""
         return self.label if segment_index == 0 else f"{self.label} (frozen)"
 
-    def _dtype_for(self, full_precision: bool) -> torch.dtype:
-        return self._orig_param_dtype if full_precision else self._fwd_bwd_param_dtype
+    def _dtype_for(self, full_precision: bool, segment: int = 0) -> torch.dtype:
+        """What segment ``segment`` computes in: its own dtype in full precision, else the
+        compute dtype (a frozen segment may have its own dtype under FSDP2)."""
+        own = self._segments[segment].flat_param.dtype if segment else self._orig_param_dtype
+        return own if full_precision else self._compute_dtype(own)
+
+    def _compute_dtype(self, own: torch.dtype) -> torch.dtype:
+        """``param_dtype`` if set, else the parameters' own dtype."""
+        mp = self._mixed_precision
+        return (mp.param_dtype if mp is not None else None) or own
 
     def check_adoptable(self, converted: torch.Tensor, segment: int = 0) -> None:
         """Whether segment ``segment``'s flat parameter can take ``converted`` in place."""
@@ -266,7 +288,7 @@ class FlatParamHandle(OrigParamViews, GradReduction):
             )
         self._set_dtypes(local_shards[0].dtype)
         for segment, local_shard in zip(self._segments, local_shards):
-            segment.adopt(local_shard, self._fwd_bwd_param_dtype)
+            segment.adopt(local_shard, self._compute_dtype(local_shard.dtype))
         if grad is not None and self._offload_params:
             grad = self._segments[0].pinned(grad)
         if grad is not None and grad.dtype == local_shards[0].dtype:
@@ -276,6 +298,15 @@ class FlatParamHandle(OrigParamViews, GradReduction):
         if self._use_orig_params:
             self._use_sharded_params()
             self._use_sharded_grad_views()
+
+    def _adopt_segment(self, position: int, shard: torch.Tensor) -> None:
+        """Segment ``position`` takes ``shard`` (materialised from meta) as its flat shard;
+        the original parameters are re-pointed at the next write-back or reshard."""
+        self._assert_state(HandleState.SHARDED, "_adopt_segment")
+        segment = self._segments[position]
+        segment.adopt(shard, self._compute_dtype(shard.dtype))
+        if position == 0:
+            self._set_dtypes(shard.dtype)
 
     # -- parameters -----------------------------------------------------------------------
 
@@ -371,9 +402,9 @@ class FlatParamHandle(OrigParamViews, GradReduction):
             for segment in self._segments:  # kept over k ranks, then changed: stale
                 segment.drop_post_forward()
         self._shard_version_at_unshard = self._shard_version()
-        dtype = self._dtype_for(full_precision)
         in_flight = False
         for index, segment in enumerate(self._segments):
+            dtype = self._dtype_for(full_precision, index)
             in_flight |= segment.unshard(dtype, self._segment_label(index))
         self.state = HandleState.UNSHARDING if in_flight else HandleState.UNSHARDED
 

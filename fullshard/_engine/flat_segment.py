@@ -81,6 +81,10 @@ class Unsharded:
     params_gathered: bool = False
     """The last all-gather wrote ``params`` directly (shared-memory transport): ``padded``
     was never allocated."""
+    accumulated_grad: torch.Tensor | None = None
+    """FSDP2, gradients accumulated without reduction (``set_requires_gradient_sync(False)``)
+    where ``reduce_dtype`` is wider than the compute dtype: their sum in ``reduce_dtype``
+    (torch's ``unsharded_accumulated_grad``), taken off the leaf after each backward."""
 
 
 class FlatSegment:

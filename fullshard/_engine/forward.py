@@ -78,6 +78,7 @@ def before_forward(
     full_precision = unit.forces_full_precision()
     mixed_precision = unit.mixed_precision
     if unit.handle is not None:
+        unit.handle.materialize_assigned_params()
         init.check_on_compute_device(
             unit.handle.flat_param.device,
             unit.compute_device,

@@ -136,24 +136,48 @@ class GradReduction:
         self._segments[0].set_post_backward_hook(hook)
 
     def has_unsharded_grad(self) -> bool:
-        return any(u.leaf.grad is not None for u in self._segments[0].buffers())
+        return any(
+            u.leaf.grad is not None or u.accumulated_grad is not None
+            for u in self._segments[0].buffers()
+        )
+
+    def accumulate_unsharded_grad(self) -> None:
+        """After a backward that does not reduce (FSDP2's ``set_requires_gradient_sync(False)``):
+        with a ``reduce_dtype`` wider than the gradient's, add the gradient to a sum kept in
+        ``reduce_dtype``, as torch's FSDP2 does (a sum of bf16 micro-batch gradients kept in
+        bf16 loses their low bits). Otherwise it stays on the leaf, where autograd adds the
+        next one."""
+        if self._dtensor_params is None:
+            return  # FSDP1's no_sync accumulates in the compute dtype, as torch's FSDP1
+        for unsharded in self._segments[0].buffers():
+            grad = unsharded.leaf.grad
+            if grad is None or self._reduce_dtype.itemsize <= grad.dtype.itemsize:
+                continue
+            unsharded.leaf.grad = None
+            if unsharded.accumulated_grad is None:
+                unsharded.accumulated_grad = grad.to(self._reduce_dtype)
+            else:
+                unsharded.accumulated_grad.add_(grad)
 
     def reduce_grad(self) -> None:
         """Issue the reduction of the unsharded gradient (async); frees it once done."""
         for unsharded in self._segments[0].buffers():
-            if unsharded.leaf.grad is not None:
-                received = None
-                if unsharded.params is not None:
-                    received = unsharded.params.grads_received
-                    unsharded.params.grads_received = [False] * len(received)
-                self._reduce_grad_of(unsharded.leaf, received)
+            grad, unsharded.leaf.grad = unsharded.leaf.grad, None
+            accumulated, unsharded.accumulated_grad = unsharded.accumulated_grad, None
+            if accumulated is not None:
+                grad = accumulated if grad is None else accumulated.add_(grad)
+            if grad is None:
+                continue
+            received = None
+            if unsharded.params is not None:
+                received = unsharded.params.grads_received
+                unsharded.params.grads_received = [False] * len(received)
+            self._reduce_grad_of(grad, received)
 
-    def _reduce_grad_of(self, leaf: torch.Tensor, received: list[bool] | None) -> None:
-        grad = leaf.grad
-        assert grad is not None
+    def _reduce_grad_of(self, grad: torch.Tensor, received: list[bool] | None) -> None:
+        """Issue the reduction of ``grad``, an unsharded gradient (the leaf's, taken off it)."""
         if self._pending_reduction is not None:  # a second backward before the first finished
             self.finalize_grad()
-        leaf.grad = None
         # A unit unsharded in full precision (eval) reduces in full precision too.
         computed_dtype = grad.dtype
         ran_in_param_dtype = grad.dtype == self._fwd_bwd_param_dtype
@@ -212,6 +236,7 @@ class GradReduction:
         self._partial_replica_grad = None
         for unsharded in self._segments[0].buffers():
             unsharded.leaf.grad = None
+            unsharded.accumulated_grad = None
 
     def finalize_grad(self) -> None:
         """Wait for the reduction and accumulate it into the sharded gradient.

@@ -18,7 +18,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .._comm import collectives as comm
 from .._comm.groups import ShardingGroups
 from ..api import ShardingStrategy
-from .dtensor_params import DTensorParams, local_tensor
+from .dtensor_params import DTensorParams, local_tensor, sharded_by_a_unit
 from .flat_segment import FlatParameter, FlatSegment
 from .grads import assign_grad
 from .handle_state import HandleState
@@ -144,6 +144,7 @@ class OrigParamViews:
         def reshard(self) -> None: ...
         def _assert_state(self, expected: HandleState, verb: str) -> None: ...
         def _in_layout(self, index: int, tensor: torch.Tensor) -> torch.Tensor: ...
+        def _adopt_segment(self, position: int, shard: torch.Tensor) -> None: ...
 
     def _release_orig_params(self) -> None:
         """Hand the original parameters' storage over to the flat parameter."""
@@ -176,11 +177,12 @@ class OrigParamViews:
         param = self._orig_params[index]
         if dtensors is None:
             param.data = view.detach()
-        elif isinstance(param, DTensor):
+        elif sharded_by_a_unit(param):
             dtensors.repoint(param, index, view)
-        else:
+        else:  # the plain parameter found at construction, or a tensor-parallel DTensor
             self._orig_params[index] = dtensors.make_param(index, view, param.requires_grad)
-            param.data = param.data.new_empty(0)  # an optimizer still holding it is refused
+            if not isinstance(param, DTensor):
+                param.data = param.data.new_empty(0)  # an optimizer still holding it is refused
             RELEASED[param] = self.slot(index).fqn
             REPLACED_BY_DTENSOR[param] = True
 
@@ -211,9 +213,12 @@ class OrigParamViews:
         the parameters no gradient. See [Note: forward inside backward] in runtime.py.
         """
         views: dict[int, torch.Tensor] = {}
+        dtensors = self._dtensor_params
         with torch.enable_grad():
             for segment in self._segments:
                 views.update(zip(segment.indices, segment.leaf_views()))
+            if dtensors is not None:  # tensor-parallel pieces as their DTensors
+                views = {index: dtensors.unsharded(index, view) for index, view in views.items()}
         return [views[index] for index in range(self.layout.num_params)]
 
     def use_unsharded_views(self) -> None:
@@ -265,6 +270,8 @@ class OrigParamViews:
                 continue
             if param is not self._orig_params[index]:
                 self._orig_params[index] = param  # its .grad, if any, is not kept (torch)
+                if self._dtensor_params is not None and isinstance(param, DTensor):
+                    self._dtensor_params.adopt(param)  # the unit's now (assigned by the user)
                 changed = True
             local = local_tensor(param)
             if view.numel() > 0 and local.data_ptr() != view.data_ptr():
@@ -273,6 +280,41 @@ class OrigParamViews:
                 changed = True
         if changed:
             self._use_sharded_params()
+
+    def materialize_assigned_params(self) -> None:
+        """FSDP2, before a forward: a shard still on the meta device (``fully_shard`` on a meta
+        model) whose parameters the modules now hold materialized (``load_state_dict(...,
+        assign=True)``, or a new DTensor parameter assigned) is rebuilt on their device, and
+        the unshard's write-back copies them in (see [Note: original parameters changed
+        after wrapping]). A shard whose parameters are still on meta is torch's error, naming
+        them."""
+        if self._dtensor_params is None:
+            return
+        for position, segment in enumerate(self._segments):
+            if not segment.flat_param.is_meta:
+                continue
+            held = [self._owners[index][0] for index in segment.indices]
+            registered = [module._parameters.get(name) for module, name in held]
+            on_meta = [
+                self._param_fqn_from_root(index)
+                for index, param in zip(segment.indices, registered)
+                if param is None or local_tensor(param).is_meta
+            ]
+            if on_meta:
+                raise RuntimeError(
+                    "FSDP parameters should be materialized from meta device before training, "
+                    f"but the following were still on meta device: {on_meta}\n"
+                    "For example, call module.to_empty(device) to materialize to device and "
+                    "call module.reset_parameters() on each module to initialize values."
+                )
+            first = local_tensor(registered[0])  # type: ignore[arg-type]
+            shard = torch.zeros(segment.layout.shard_numel, dtype=first.dtype, device=first.device)
+            self._adopt_segment(position, shard)
+
+    def _param_fqn_from_root(self, index: int) -> str:
+        """Parameter ``index``'s name under the root (the unit's label is its path there)."""
+        fqn = self.slot(index).fqn
+        return fqn if self.label in ("(root)", "") else f"{self.label}.{fqn}"
 
     def _orig_param_pieces(self) -> Iterator[tuple[int, torch.Tensor]]:
         """Each original parameter's index and its piece of the shard (empty if none)."""

@@ -419,6 +419,8 @@ class UnitRuntime:
             handle.reduce_grad()
             root.pending_reductions.append(self)
             root.finalize_reductions(keep=root.reductions_to_keep())
+        else:
+            handle.accumulate_unsharded_grad()
         root.prefetch_for_backward(self, BackwardPrefetch.BACKWARD_POST)
         self.received_installments += 1
         self._reshard_if_done()

@@ -277,12 +277,27 @@ class FSDPModule:
         )
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Not implemented: fullshard's transports allocate their own staging buffers."""
-        raise NotImplementedError(
-            "FSDPModule.set_allocate_memory_from_process_group_for_comm is not implemented by "
-            "fullshard; remove the call, or use set_custom_all_gather / "
-            "set_custom_reduce_scatter to allocate communication buffers yourself"
-        )
+        """torch: allocate the collectives' staging buffers from the process group's own
+        allocator (NCCL's zero-copy registration). fullshard's transports stage nothing that
+        way (shared memory between CPU ranks; NCCL reads and writes the unit's own buffers),
+        so it warns that the request changes nothing. As torch, refused once a custom
+        all-gather or reduce-scatter is set (set after this, they replace it)."""
+        for handle in self._handles(recurse=False):
+            customised = handle.custom_reduce_scatter is not None or any(
+                segment.custom_all_gather is not None for segment in handle.segments
+            )
+            if customised:
+                raise AssertionError(
+                    "set_allocate_memory_from_process_group_for_comm cannot be used with "
+                    "set_custom_all_gather or set_custom_reduce_scatter"
+                )
+        if enable:
+            warnings.warn(
+                "fullshard ignores set_allocate_memory_from_process_group_for_comm(True): its "
+                "transports allocate their own communication buffers (nothing is registered "
+                "with the process group)",
+                stacklevel=2,
+            )
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """Not implemented: symmetric-memory all-gathers are NCCL's."""

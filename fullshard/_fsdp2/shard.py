@@ -28,9 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
 from .._engine.build import build_unit
+from .._engine.dtensor_params import sharded_by_a_unit
 from .._engine.optimizer_check import watch_optimizers
 from .._engine.orig_params import RELEASED
 from .._engine.settings import resolve_settings
@@ -90,6 +91,7 @@ def fully_shard(
     for member in members:
         _check_not_applied(member)
         _check_ties_kept(member)
+        _check_params(member, ignored_params)
     target = members[0] if len(members) == 1 else _Group(members)
     reshard_after_forward, post_forward_group = _reshard_group(reshard_after_forward, mesh)
     strategy = _strategy(reshard_after_forward, mesh)
@@ -99,7 +101,9 @@ def fully_shard(
     with warnings.catch_warnings():  # FSDP1's warning on one rank; torch's fully_shard has none
         warnings.filterwarnings("ignore", message="FSDP is switching to use `NO_SHARD`")
         settings = _resolve(groups, strategy, mp_policy, offload_policy, ignored_params, mesh)
-    shard_dim = _shard_dims(target, shard_placement_fn, settings.ignored_params)
+    shard_dim = _shard_dims(
+        target, shard_placement_fn, settings.ignored_params, mesh.size(mesh.ndim - 1)
+    )
     settings = dataclasses.replace(
         settings,
         dtensor_mesh=mesh,
@@ -186,7 +190,10 @@ def _modules(module: nn.Module | list[nn.Module]) -> tuple[nn.Module, ...]:
     for member in members:
         if not isinstance(member, nn.Module):
             raise TypeError(f"fully_shard takes an nn.Module, got {type(member).__qualname__}")
-        if isinstance(member, (nn.ModuleList, nn.ModuleDict)):
+        if (
+            isinstance(member, (nn.ModuleList, nn.ModuleDict))
+            and type(member).forward is nn.Module.forward
+        ):
             raise ValueError(
                 f"fully_shard does not support containers that do not implement forward: "
                 f"{type(member).__name__}; apply it to the modules it holds, or to its parent"
@@ -208,21 +215,46 @@ def _contains(outer: nn.Module, inner: nn.Module) -> bool:
     return any(m is inner for m in outer.modules())
 
 
+class AppliedTwiceError(ValueError, AssertionError):
+    """``fully_shard`` applied to a module twice: torch raises an AssertionError (its
+    ``contract``), fullshard raised ValueError before, so it is both."""
+
+
 def _check_not_applied(module: nn.Module) -> None:
     """Twice on one module, or top-down (a parameter already managed by an ancestor's call)."""
     if isinstance(module, FSDPModule) or unit_of(module) is not None:
         original = type(module).__mro__[2] if isinstance(module, FSDPModule) else type(module)
-        raise ValueError(
+        raise AppliedTwiceError(
+            "Each distinct composable distributed API can only be applied to a module once. "
             f"fully_shard was already applied to this {original.__qualname__}; apply it once "
             "per module"
         )
     nested = {id(p) for unit in units_in(module) for p in _managed(unit)}
     for name, param in module.named_parameters():
-        if isinstance(param, DTensor) and id(param) not in nested:
+        if sharded_by_a_unit(param) and id(param) not in nested:
             raise ValueError(
                 f"parameter '{name}' of this {type(module).__qualname__} is already sharded by "
                 "fully_shard on an ancestor module: fully_shard is applied bottom-up. Apply it "
                 "to the submodules first (e.g. each transformer block), then to the root"
+            )
+
+
+def _check_params(module: nn.Module, ignored: set[nn.Parameter] | None) -> None:
+    """A 0-d parameter has no dim to shard; a non-contiguous one (channels-last) is not
+    supported yet (torch's texts and exception types)."""
+    for name, param in module.named_parameters():
+        if sharded_by_a_unit(param) or param in (ignored or ()):
+            continue  # a nested call's, or left alone
+        if param.ndim == 0:
+            raise ValueError(
+                "fully_shard doesn't support scalar parameters. "
+                f"Change {name} to a 1D tensor with numel equal to 1."
+            )
+        if not param.is_contiguous():
+            raise NotImplementedError(
+                f"FSDP does not support non-contiguous parameters yet: {param.shape=} "
+                f"{param.stride()=}: parameter '{name}'; make it contiguous before fully_shard "
+                "(e.g. module.to(memory_format=torch.contiguous_format))"
             )
 
 
@@ -250,14 +282,20 @@ def _check_mesh(mesh: DeviceMesh) -> None:
         raise TypeError(f"fully_shard's mesh must be a DeviceMesh, got {type(mesh).__qualname__}")
     if mesh.ndim not in (1, 2):
         raise ValueError(
-            f"fully_shard takes a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), "
-            f"got a {mesh.ndim}-D mesh"
+            f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: it takes a 1-D mesh "
+            f"(FSDP) or a 2-D (replicate, shard) mesh (HSDP), got a {mesh.ndim}-D mesh; pass "
+            "the data-parallel dims of a larger mesh (world_mesh['dp'])"
         )
-    if mesh.size() != dist.get_world_size():
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise AssertionError(
+            "Please init the 2D mesh for HSDP with mesh_dim_names specified (e.g. "
+            "init_device_mesh(..., mesh_dim_names=('replicate', 'shard')))"
+        )
+    if mesh.get_coordinate() is None:
         raise ValueError(
-            f"fully_shard's mesh spans {mesh.size()} ranks but the default process group has "
-            f"{dist.get_world_size()}; build the mesh over every rank (init_device_mesh("
-            f"'{mesh.device_type}', ({dist.get_world_size()},)))"
+            f"rank {dist.get_rank()} is not in fully_shard's mesh {mesh}: apply fully_shard "
+            "with a mesh only on its ranks (e.g. world_mesh['dp'], which holds each rank's own "
+            "data-parallel group)"
         )
 
 
@@ -321,19 +359,26 @@ def _strategy(reshard_after_forward: bool | None, mesh: DeviceMesh) -> ShardingS
     return ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
 
 
+class InvalidShardDimError(ValueError, AssertionError):
+    """``shard_placement_fn`` named a dim the parameter lacks: torch raises an
+    AssertionError, fullshard raised ValueError before, so it is both."""
+
+
 def _shard_dims(
     module: nn.Module,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
     ignored: tuple[nn.Parameter, ...],
+    num_shards: int,
 ) -> Callable[[nn.Parameter], int] | None:
     """The dim ``shard_placement_fn`` shards each parameter this call manages on (None for
-    every parameter on dim 0), checked: a ``Shard`` of one of the parameter's dims."""
+    every parameter on dim 0), checked: a ``Shard`` of one of the parameter's dims, which
+    splits evenly over the ``num_shards`` ranks unless it is dim 0 (as torch requires)."""
     if shard_placement_fn is None:
         return None
     skipped = {id(p) for p in ignored}
     dims: dict[int, int] = {}
     for name, param in module.named_parameters():
-        if id(param) in skipped or isinstance(param, DTensor):  # ignored, or a nested call's
+        if id(param) in skipped or sharded_by_a_unit(param):  # ignored, or a nested call's
             continue
         placement = shard_placement_fn(param)
         if placement is None:
@@ -345,9 +390,16 @@ def _shard_dims(
             )
         dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
         if not 0 <= dim < param.ndim:
-            raise ValueError(
+            raise InvalidShardDimError(
+                f"Shard dim {dim} is invalid for {param.ndim}D tensor: {param.shape}: "
                 f"shard_placement_fn returned Shard({placement.dim}) for parameter '{name}' of "
                 f"shape {tuple(param.shape)}, which has no such dim"
+            )
+        if dim > 0 and param.shape[dim] % num_shards != 0:
+            raise NotImplementedError(
+                f"FSDP does not support uneven sharding on dim {dim}: {param.shape} (world "
+                f"size: {num_shards}): parameter '{name}' has {param.shape[dim]} on dim {dim}; "
+                "shard it on a dim that splits evenly, or on dim 0 (None), which may be uneven"
             )
         dims[id(param)] = dim
     return lambda param: dims.get(id(param), 0)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -365,11 +365,14 @@ def _misuse() -> None:
         fully_shard(Net(), mesh=mesh, reshard_after_forward=3)
     with pytest.raises(ValueError, match=r"should be a bool or an int .* not 2\.5"):
         fully_shard(Net(), mesh=mesh, reshard_after_forward=2.5)  # type: ignore[arg-type]
-    small = init_device_mesh("cpu", (2, 1), mesh_dim_names=("a", "b"))["b"]
-    with pytest.raises(ValueError, match="mesh spans 1 ranks but the default process group"):
-        fully_shard(Net(), mesh=small)
-    with pytest.raises(ValueError, match="got a 3-D mesh"):
+    lonely = DeviceMesh("cpu", torch.tensor([0]))  # made on every rank; rank 1 is not in it
+    if dist.get_rank() == 1:
+        with pytest.raises(ValueError, match="rank 1 is not in fully_shard's mesh"):
+            fully_shard(Net(), mesh=lonely)
+    with pytest.raises(ValueError, match="fully_shard expects a 1D or 2D DeviceMesh but got"):
         fully_shard(Net(), mesh=init_device_mesh("cpu", (1, 1, 2)))
+    with pytest.raises(AssertionError, match="init the 2D mesh for HSDP with mesh_dim_names"):
+        fully_shard(Net(), mesh=init_device_mesh("cpu", (1, 2)))
     with pytest.raises(ValueError, match=r"returned Replicate\(\) for parameter 'weight'"):
         fully_shard(nn.Linear(2, 2), mesh=mesh, shard_placement_fn=lambda p: Replicate())
     with pytest.raises(ValueError, match="containers that do not implement forward: ModuleList"):
@@ -881,27 +884,28 @@ def _train_placed(api: str, placement_fn: Any) -> tuple[list[float], dict[str, t
 
 def _shard_placement() -> None:
     """shard_placement_fn's Shard(1): each matrix's local tensor is its torch.chunk piece on
-    dim 1 (uneven included: fc2.weight's 25 columns), training as DDP does, and as torch's
-    fully_shard where torch can (it requires dim 1 to split evenly)."""
+    dim 1, training as DDP and torch's fully_shard do; a dim that does not split evenly (other
+    than 0) is refused as torch refuses it, and so is a dim the parameter lacks."""
     from fullshard import fully_shard
 
-    model = _shard(Net(), "fullshard", init_device_mesh("cpu", (2,)), shard_placement_fn=_on_dim_1)
+    mesh = init_device_mesh("cpu", (2,))
+    model = _shard(Net(), "fullshard", mesh, shard_placement_fn=_on_even_dim_1)
     for name, param in model.named_parameters():
-        dim = 1 if param.ndim == 2 else 0
+        dim = 1 if _on_even_dim_1(param) is not None else 0
         assert param.placements == (Shard(dim),), name
         expected = torch.chunk(param.full_tensor(), 2, dim=dim)[dist.get_rank()]
         torch.testing.assert_close(param.to_local(), expected, rtol=0, atol=0, msg=name)
-    ours, our_params = _train_placed("fullshard", _on_dim_1)
-    ddp, ddp_params = _train_placed("ddp", None)
-    assert ours == pytest.approx(ddp, rel=1e-5, abs=1e-6), (ours, ddp)
-    for name, value in ddp_params.items():
-        torch.testing.assert_close(our_params[name], value, rtol=1e-5, atol=1e-5, msg=name)
     ours, our_params = _train_placed("fullshard", _on_even_dim_1)
+    ddp, ddp_params = _train_placed("ddp", None)
     theirs, their_params = _train_placed("torch", _on_even_dim_1)
+    assert ours == pytest.approx(ddp, rel=1e-5, abs=1e-6), (ours, ddp)
     assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6), (ours, theirs)
     for name, value in their_params.items():
         torch.testing.assert_close(our_params[name], value, rtol=1e-5, atol=1e-5, msg=name)
-    with pytest.raises(ValueError, match=r"Shard\(2\) for parameter 'fc1.weight' of shape"):
+        torch.testing.assert_close(our_params[name], ddp_params[name], rtol=1e-5, atol=1e-5)
+    with pytest.raises(NotImplementedError, match="does not support uneven sharding on dim 1"):
+        _shard(Net(), "fullshard", mesh, shard_placement_fn=_on_dim_1)  # fc2.weight: 25 columns
+    with pytest.raises(AssertionError, match=r"Shard dim 2 is invalid for 2D tensor"):
         fully_shard(Block(), shard_placement_fn=lambda p: Shard(2))
 
 

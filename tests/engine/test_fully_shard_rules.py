@@ -529,9 +529,13 @@ def _other_methods() -> None:
         model.set_reduce_scatter_max_input_buffers(True)
     with pytest.raises(ValueError, match="max_input_buffers must be a positive int, got 0"):
         model.set_reduce_scatter_max_input_buffers(0)
+    with pytest.warns(UserWarning, match="ignores set_allocate_memory_from_process_group"):
+        model.set_allocate_memory_from_process_group_for_comm(True)
+    model.set_custom_all_gather(_Comm("all_gather"))  # replaces it, as in torch; then refused
+    with pytest.raises(AssertionError, match="cannot be used with set_custom_all_gather"):
+        model.set_allocate_memory_from_process_group_for_comm(True)
     for method, args in [
         ("set_symm_mem_for_comm", ()),
-        ("set_allocate_memory_from_process_group_for_comm", (True,)),
         ("set_separate_reduce_scatter_group", ()),
     ]:
         with pytest.raises(NotImplementedError, match=f"FSDPModule.{method} is not implemented"):
@@ -539,6 +543,13 @@ def _other_methods() -> None:
     share_comm_ctx([model, model.proj])
     with pytest.raises(ValueError, match="Expects list of FSDPModules"):
         share_comm_ctx([model, nn.Linear(2, 2)])
+    scalar = nn.Linear(2, 2)
+    scalar.register_parameter("scalar_p", nn.Parameter(torch.tensor(1.0)))
+    with pytest.raises(ValueError, match="Change scalar_p to a 1D tensor with numel equal to 1"):
+        fully_shard(scalar)
+    channels_last = nn.Conv2d(8, 8, 3).to(memory_format=torch.channels_last)
+    with pytest.raises(NotImplementedError, match="does not support non-contiguous parameters"):
+        fully_shard(channels_last)
     with pytest.raises(ValueError, match="At least one of shard or replicate"):
         DataParallelMeshDims()
     with pytest.raises(NotImplementedError, match="dp_mesh_dims"):

@@ -163,10 +163,33 @@ def _swap_fsdp(_module=None):
                 setattr(module, name, getattr(source, name))
 
 
+_swap_pending = False
+
+
+def _importing(name):
+    """Whether module ``name`` is still running its code (an import in progress)."""
+    module = sys.modules.get(name)
+    spec = getattr(module, "__spec__", None)
+    return bool(getattr(spec, "_initializing", False))
+
+
 def _fsdp_package_loaded(_module):
-    global _fsdp_loaded
+    """torch's FSDP package is loaded: swap fullshard's names in, unless torch._dynamo is
+    still importing (it imports torch's FSDP; fullshard's decorators need torch._dynamo), in
+    which case the swap waits for the next import after it (``_PatchAfterImport``)."""
+    global _fsdp_loaded, _swap_pending
     _fsdp_loaded = True
+    if _importing("torch._dynamo"):
+        _swap_pending = True
+        return
     _swap_fsdp()
+
+
+def _swap_if_pending():
+    global _swap_pending
+    if _swap_pending and not _importing("torch._dynamo"):
+        _swap_pending = False
+        _swap_fsdp()
 
 
 # --- torch mode: torch's FSDP1 picks the CPU where the tests rely on a GPU default ------------
@@ -239,6 +262,7 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
     """Finds the modules in _PATCHES as usual, and runs their patch after their code."""
 
     def find_spec(self, name, path, target=None):
+        _swap_if_pending()
         patch = _PATCHES.get(name)
         spec = importlib.machinery.PathFinder.find_spec(name, path) if patch else None
         if spec is None or spec.loader is None:
