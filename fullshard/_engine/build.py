@@ -102,6 +102,7 @@ def _make_handle(
                 if settings.dtensor_shard_dim is not None
                 else None,
                 settings.post_forward_group,
+                settings.mp_policy,
             )
         ),
     )

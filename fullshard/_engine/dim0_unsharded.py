@@ -72,6 +72,9 @@ class Dim0Unsharded:
             for tensor in tensors:
                 _free(tensor)
         self.tensors = tensors
+        self.overrides: dict[int, torch.Tensor] = {}
+        """Slot -> the tensor modules compute with instead of the slot's own (built by its
+        all-gather extension; see [Note: all-gather extensions] in extensions.py)."""
         self.grads_received = [False] * len(layout.slots)
         """Per slot, whether autograd gave it a gradient since the last reduction (the
         backwards of every forward in between: accumulation, recomputation)."""
@@ -124,6 +127,7 @@ class Dim0Unsharded:
     def free(self) -> None:
         for tensor in self.tensors:
             _free(tensor)
+        self.overrides = {}
 
     def nbytes(self) -> int:
         return sum(tensor.untyped_storage().nbytes() for tensor in self.tensors)
@@ -144,7 +148,11 @@ class _Unflatten(torch.autograd.Function):
         ctx.unsharded = unsharded
         ctx.leaf_numel, ctx.dtype, ctx.device = leaf.numel(), leaf.dtype, leaf.device
         ctx.set_materialize_grads(False)  # a parameter that got no gradient arrives as None
-        return tuple(_alias(t, dim) for t, dim in zip(unsharded.tensors, unsharded.dims))
+        overrides = unsharded.overrides
+        return tuple(
+            overrides[slot].detach() if slot in overrides else _alias(t, dim)
+            for slot, (t, dim) in enumerate(zip(unsharded.tensors, unsharded.dims))
+        )
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor, None]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -104,8 +105,11 @@ class DTensorParams:
         params: Sequence[torch.Tensor],
         dims: list[int] | None = None,
         post_forward_group: dist.ProcessGroup | None = None,
+        mp_policy: Any = None,
     ) -> None:
         self.mesh = mesh
+        self.mp_policy = mp_policy
+        """FSDP2's ``MixedPrecisionPolicy`` (what all-gather extensions are given)."""
         self.post_forward_group = post_forward_group
         """``reshard_after_forward=k``: the ``k`` ranks this rank keeps parameters over
         after forward (see ``dim0_unsharded.PostForwardShard``)."""
@@ -186,16 +190,29 @@ class DTensorParams:
         the mesh's to the mesh's device (a CPU-offloaded shard on a CUDA mesh would become a
         GPU copy, no longer a view of the flat shard), and it runs an autograd function and
         makes a new spec per call, while every backward makes a gradient per parameter."""
-        key = (index, piece.dtype)
+        return DTensor(
+            self._local(index, piece), self._spec(index, piece.dtype), requires_grad=False
+        )
+
+    def _spec(self, index: int, dtype: torch.dtype) -> DTensorSpec:
+        key = (index, dtype)
         spec = self._specs.get(key)
         if spec is None:
-            meta = TensorMeta(self._shapes[index], self._strides[index], piece.dtype)
+            meta = TensorMeta(self._shapes[index], self._strides[index], dtype)
             spec = DTensorSpec(self._meshes[index], self._placements[index], tensor_meta=meta)
             self._specs[key] = spec
-        return DTensor(self._local(index, piece), spec, requires_grad=False)
+        return spec
 
     def make_param(self, index: int, piece: torch.Tensor, requires_grad: bool) -> nn.Parameter:
-        param = nn.Parameter(self.wrap(index, piece.detach()), requires_grad=requires_grad)
+        return self.make_param_on(index, self._local(index, piece.detach()), requires_grad)
+
+    def make_param_on(self, index: int, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+        """Parameter ``index``'s DTensor parameter over ``local``, its local tensor as it is
+        (a tensor subclass's own piece: see [Note: all-gather extensions])."""
+        param = nn.Parameter(
+            DTensor(local, self._spec(index, local.dtype), requires_grad=False),
+            requires_grad=requires_grad,
+        )
         self.adopt(param)
         return param
 

@@ -24,10 +24,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .._comm.groups import ShardingGroups
 from ..api import MixedPrecision, ShardingStrategy
-from .dtensor_params import DTensorParams
+from .dtensor_params import DTensorParams, local_tensor
+from .extensions import AllGatherExtensions, has_extension
 from .flat_segment import FlatParameter, FlatSegment
 from .grads import GradReduction, assign_grad
 from .handle_state import HandleState
@@ -89,6 +91,11 @@ class FlatParamHandle(OrigParamViews, GradReduction):
     gradient live on the CPU instead.
     """
 
+    _orig_param_dtype: torch.dtype
+    _fwd_bwd_param_dtype: torch.dtype
+    _reduce_dtype: torch.dtype
+    """The three dtypes of [Note: mixed precision], set by ``_set_dtypes``."""
+
     def __init__(
         self,
         params: list[nn.Parameter],
@@ -122,35 +129,58 @@ class FlatParamHandle(OrigParamViews, GradReduction):
         self._mixed_precision = mixed_precision
         self._orig_params: list[nn.Parameter] = list(params)
         self._owners = owners
-        num_shards = groups.shard_size if self.uses_sharded_strategy else 1
-        shapes = [self._in_layout(i, p).shape for i, p in enumerate(params)]
-        trains = [p.requires_grad for p in params]
         self.layout: UnitLayout = make_unit_layout(  # FSDP2 splits each parameter on dim 0
-            fqns, shapes, trains, num_shards, dim0=dtensor_params is not None
+            fqns,
+            [self._in_layout(i, p).shape for i, p in enumerate(params)],
+            [p.requires_grad for p in params],
+            groups.shard_size if self.uses_sharded_strategy else 1,
+            dim0=dtensor_params is not None,
         )
-        first = params[self.layout.param_indices(0)[0]]  # trainable, when any are
-        self._orig_param_dtype: torch.dtype = first.dtype
-        self._fwd_bwd_param_dtype: torch.dtype = first.dtype
-        self._reduce_dtype: torch.dtype = first.dtype
         self._keep_low_precision_grads = bool(
-            mixed_precision is not None and mixed_precision.keep_low_precision_grads
+            mixed_precision and mixed_precision.keep_low_precision_grads
         )
-        self._set_dtypes(first.dtype)
+        self._set_dtypes(params[self.layout.param_indices(0)[0]].dtype)  # trainable, if any
+        # FSDP2's all-gather extensions: parameters of a tensor subclass that has them keep
+        # local tensors of their own (see [Note: all-gather extensions])
+        self._extension_subclasses, self._extensions = self._find_extensions(
+            params, owners, dtensor_params
+        )
+        self._unsharded_in_full_precision = False
         self._segments: tuple[FlatSegment, ...] = self._make_segments(params)
         """The trainable segment first (see [Note: frozen parameters])."""
         self.flat_param: FlatParameter = self._segments[0].flat_param
         self._post_backward_hook: Callable[[], None] | None = None
         self.state = HandleState.SHARDED
-        self._has_optim_in_backward = False
-        """Original parameters step their own optimizers as gradients are reduced (see
-        [Note: optimizer in backward]); set at lazy initialisation."""
-        # Inside summon_full_params: modules see the full parameters as Parameters; and with
-        # with_grads=True the original ``.grad`` s are full.
-        self.exposes_unsharded_params = False
+        self._has_optim_in_backward = False  # see [Note: optimizer in backward]; at lazy init
+        self.exposes_unsharded_params = False  # summon: the full parameters (and grads) shown
         self._exposes_unsharded_grads = False
         self._release_orig_params()
 
     # -- construction -------------------------------------------------------------------
+
+    def _find_extensions(
+        self,
+        params: list[nn.Parameter],
+        owners: list[list[tuple[nn.Module, str]]],
+        dtensor_params: DTensorParams | None,
+    ) -> tuple[set[int], AllGatherExtensions | None]:
+        """The parameters of a tensor subclass with all-gather extensions, and the unit's
+        extension all-gathers (FSDP2 only)."""
+        if dtensor_params is None:
+            return set(), None
+        subclasses = {
+            i
+            for i, p in enumerate(params)
+            if type(p) not in (nn.Parameter, torch.Tensor, DTensor) and has_extension(p)
+        }
+        extensions = AllGatherExtensions(
+            dtensor_params.mesh,
+            self.groups.shard,
+            dtensor_params.mp_policy,
+            [p.shape for p in params],
+            [slot_owners[0][0] for slot_owners in owners],
+        )
+        return subclasses, extensions
 
     @staticmethod
     def _check_uniform_dtype(
@@ -183,7 +213,7 @@ class FlatParamHandle(OrigParamViews, GradReduction):
             segment = FlatSegment(
                 segment_layout,
                 indices,
-                [self._in_layout(i, params[i]) for i in indices],
+                [self._layout_source(i, params[i]) for i in indices],
                 self.groups,
                 self.uses_sharded_strategy,
                 self.device,
@@ -194,6 +224,13 @@ class FlatParamHandle(OrigParamViews, GradReduction):
             )
             segments.append(segment)
         return tuple(segments)
+
+    def _layout_source(self, index: int, param: torch.Tensor) -> torch.Tensor:
+        """What the flat shard is built from for parameter ``index``: zeros for an extension
+        subclass (its values stay in its own local tensor), else the parameter."""
+        if index in self._extension_subclasses:
+            return torch.zeros(param.shape, dtype=param.dtype, device=param.device)
+        return self._in_layout(index, param)
 
     def _in_layout(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
         """Parameter ``index`` (or a tensor of its shape) as the layout splits it: moved where
@@ -406,15 +443,53 @@ class FlatParamHandle(OrigParamViews, GradReduction):
         for index, segment in enumerate(self._segments):
             dtype = self._dtype_for(full_precision, index)
             in_flight |= segment.unshard(dtype, self._segment_label(index))
+        in_flight |= self._issue_extensions()
+        self._unsharded_in_full_precision = full_precision
         self.state = HandleState.UNSHARDING if in_flight else HandleState.UNSHARDED
+
+    def _issue_extensions(self) -> bool:
+        """FSDP2: issue the all-gathers of parameters with all-gather extensions (see [Note:
+        all-gather extensions]); True if there are any."""
+        extensions = self._extensions
+        if extensions is None:
+            return False
+        locals_ = {
+            index: local
+            for index, local in ((i, local_tensor(p)) for i, p in enumerate(self._orig_params))
+            if has_extension(local)
+        }
+        if locals_:
+            extensions.issue(locals_, self.device, self.label)
+        return bool(locals_)
 
     def wait_unshard(self) -> None:
         """Block until the unsharded parameters are ready."""
         if self.state == HandleState.UNSHARDING:
             for segment in self._segments:
                 segment.wait_unshard()
+            self._finish_extensions()
             self.state = HandleState.UNSHARDED
         self._assert_state(HandleState.UNSHARDED, "wait_unshard")
+
+    def _finish_extensions(self) -> None:
+        """Build the extension parameters' unsharded tensors; modules compute with them."""
+        extensions = self._extensions
+        if extensions is None:
+            return
+        full_precision = self._unsharded_in_full_precision
+        dtypes = {
+            index: self._dtype_for(full_precision, self.layout.locations[index][0])
+            for index in range(self.layout.num_params)
+        }
+        extensions.wait(dtypes)
+        for segment in self._segments:
+            params = segment.active.params
+            if params is not None:
+                params.overrides = {
+                    slot: extensions.unsharded[index]
+                    for slot, index in enumerate(segment.indices)
+                    if index in extensions.unsharded
+                }
 
     def reshard(self, after_forward: bool = False) -> None:
         """Free the unsharded storage and give modules back their sharded parameters
@@ -424,6 +499,8 @@ class FlatParamHandle(OrigParamViews, GradReduction):
         self._assert_state(HandleState.UNSHARDED, "reshard")
         for segment in self._segments:
             segment.reshard(after_forward)
+        if self._extensions is not None:
+            self._extensions.reshard()
         if self._use_orig_params:
             self._use_sharded_params()
         self.state = HandleState.SHARDED

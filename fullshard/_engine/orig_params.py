@@ -19,6 +19,7 @@ from .._comm import collectives as comm
 from .._comm.groups import ShardingGroups
 from ..api import ShardingStrategy
 from .dtensor_params import DTensorParams, local_tensor, sharded_by_a_unit
+from .extensions import sharded_local
 from .flat_segment import FlatParameter, FlatSegment
 from .grads import assign_grad
 from .handle_state import HandleState
@@ -136,6 +137,7 @@ class OrigParamViews:
         _use_orig_params: bool
         _unsafe_setattr: bool
         _dtensor_params: DTensorParams | None
+        _extension_subclasses: set[int]
 
         @property
         def param_fqns(self) -> list[str]: ...
@@ -177,6 +179,12 @@ class OrigParamViews:
         param = self._orig_params[index]
         if dtensors is None:
             param.data = view.detach()
+        elif index in self._extension_subclasses:  # its local tensor is not in the shard
+            if not sharded_by_a_unit(param):
+                local = sharded_local(param, self.groups.shard_rank, self.groups.shard_size)
+                self._orig_params[index] = dtensors.make_param_on(index, local, param.requires_grad)
+                RELEASED[param] = self.slot(index).fqn
+                REPLACED_BY_DTENSOR[param] = True
         elif sharded_by_a_unit(param):
             dtensors.repoint(param, index, view)
         else:  # the plain parameter found at construction, or a tensor-parallel DTensor
@@ -265,6 +273,8 @@ class OrigParamViews:
             return
         changed = False
         for index, view in self._orig_param_pieces():
+            if index in self._extension_subclasses:
+                continue  # its local tensor is its own (see [Note: all-gather extensions])
             param = self._registered_orig_param(index, view)
             if param is None:  # unregistered for now (summon, state dicts): nothing to adopt
                 continue

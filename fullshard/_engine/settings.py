@@ -63,6 +63,8 @@ class Settings:
     post_forward_group: dist.ProcessGroup | None = None
     """FSDP2's ``reshard_after_forward=k``: the ``k`` ranks parameters stay sharded over
     between forward and backward (None: over the whole shard group, or unsharded)."""
+    mp_policy: Any = None
+    """FSDP2's ``MixedPrecisionPolicy`` as given (all-gather extensions receive it)."""
 
     @property
     def use_full_prec_in_eval(self) -> bool:

@@ -34,7 +34,7 @@ from .._engine.build import build_unit
 from .._engine.dtensor_params import sharded_by_a_unit
 from .._engine.optimizer_check import watch_optimizers
 from .._engine.orig_params import RELEASED
-from .._engine.settings import resolve_settings
+from .._engine.settings import Settings, resolve_settings
 from .._engine.unit import Unit, unit_of, units_in
 from ..api import (
     CPUOffload,
@@ -94,21 +94,15 @@ def fully_shard(
         _check_params(member, ignored_params)
     target = members[0] if len(members) == 1 else _Group(members)
     reshard_after_forward, post_forward_group = _reshard_group(reshard_after_forward, mesh)
-    strategy = _strategy(reshard_after_forward, mesh)
-    groups: dict[str, Any] = (
-        {"device_mesh": mesh} if mesh.ndim == 2 else {"process_group": mesh.get_group(0)}
-    )
-    with warnings.catch_warnings():  # FSDP1's warning on one rank; torch's fully_shard has none
-        warnings.filterwarnings("ignore", message="FSDP is switching to use `NO_SHARD`")
-        settings = _resolve(groups, strategy, mp_policy, offload_policy, ignored_params, mesh)
-    shard_dim = _shard_dims(
-        target, shard_placement_fn, settings.ignored_params, mesh.size(mesh.ndim - 1)
-    )
-    settings = dataclasses.replace(
-        settings,
-        dtensor_mesh=mesh,
-        dtensor_shard_dim=shard_dim,
-        post_forward_group=post_forward_group,
+    settings = _settings(
+        target,
+        mesh,
+        reshard_after_forward,
+        post_forward_group,
+        shard_placement_fn,
+        mp_policy,
+        offload_policy,
+        ignored_params,
     )
     watch_optimizers()
     unit = build_unit(members[0], target, settings, set(), members[1:])
@@ -119,10 +113,52 @@ def fully_shard(
     state = ShardedModule(unit, mp_policy.output_dtype, members)
     for member in members:
         member.__dict__[STATE_ATTR] = state
+        _mark_in_composable_registry(member)
         member.register_forward_pre_hook(functools.partial(pre_forward, state), with_kwargs=True)
         member.register_forward_hook(functools.partial(post_forward, state), with_kwargs=True)
         member.__class__ = fsdp_class(type(member))
     return module
+
+
+def _settings(
+    target: nn.Module,
+    mesh: DeviceMesh,
+    reshard_after_forward: bool | None,
+    post_forward_group: dist.ProcessGroup | None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+    ignored_params: set[nn.Parameter] | None,
+) -> Settings:
+    """The engine's settings for a ``fully_shard`` call."""
+    strategy = _strategy(reshard_after_forward, mesh)
+    groups: dict[str, Any] = (
+        {"device_mesh": mesh} if mesh.ndim == 2 else {"process_group": mesh.get_group(0)}
+    )
+    with warnings.catch_warnings():  # FSDP1's warning on one rank; torch's fully_shard has none
+        warnings.filterwarnings("ignore", message="FSDP is switching to use `NO_SHARD`")
+        settings = _resolve(groups, strategy, mp_policy, offload_policy, ignored_params, mesh)
+    shard_dim = _shard_dims(
+        target, shard_placement_fn, settings.ignored_params, mesh.size(mesh.ndim - 1)
+    )
+    return dataclasses.replace(
+        settings,
+        dtensor_mesh=mesh,
+        dtensor_shard_dim=shard_dim,
+        post_forward_group=post_forward_group,
+        mp_policy=mp_policy,
+    )
+
+
+def _mark_in_composable_registry(module: nn.Module) -> None:
+    """Name ``module`` "fully_shard" in torch's registry of composable APIs (a dict in the
+    module's ``__dict__``), which torch's other composables read: ``replicate`` leaves the
+    parameters of such modules to them rather than replacing their DTensors by local
+    tensors, and applying torch's own ``fully_shard`` on top is refused."""
+    from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
+
+    registry = module.__dict__.setdefault(REGISTRY_KEY, {})
+    registry.setdefault("fully_shard", RegistryItem())
 
 
 def _policy(policy: Any, cls: type, name: str) -> Any:

@@ -222,7 +222,10 @@ def _poisoned(tests: list[dict]) -> list[str]:
 
 
 def run_file(src: Path, mode: str, args) -> dict:
-    out_dir = args.out / mode
+    # fullshard on gloo's own collectives is a column of its own (fullshard-c10d)
+    out_dir = args.out / (
+        mode if mode == "torch" or args.transport == "default" else f"{mode}-c10d"
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     source, fired = rewrite(src.read_text())
     with (

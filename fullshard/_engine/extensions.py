@@ -1,0 +1,162 @@
+"""FSDP2's all-gather extensions: a parameter whose local tensor defines
+``fsdp_pre_all_gather`` and ``fsdp_post_all_gather`` chooses what goes on the wire and how the
+unsharded parameter is built from it (torchao's float8 and int8 training all-gather 1-byte
+weights this way).
+
+[Note: all-gather extensions]
+At each unshard, for every parameter whose local tensor has both methods (a tensor subclass
+that defines them, or methods set on the local tensor object itself, as torch allows):
+
+- ``fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)`` (or, the old
+  signature, ``fsdp_pre_all_gather(mesh)``) returns ``(inputs, metadata)``: each input, in its
+  own dtype and of the padded local shape, is all-gathered over the shard group as it is;
+- ``fsdp_post_all_gather(outputs, metadata, param_dtype)`` builds the unsharded parameter
+  from the gathered ``outputs`` (each ``(ranks * rows, ...)``) and returns it with the tensors
+  to free at reshard; modules compute with it, and autograd carries its gradient back to the
+  unit's flat gradient like any other parameter's.
+
+A parameter whose class defines the methods when ``fully_shard`` meets it keeps a local
+tensor of that class (its ``torch.chunk`` piece, padded as torch pads it): the optimizer
+updates that object, which the unit's flat shard does not hold. Its place in the flat
+layout carries only its gradient (the all-gather of the flat shard still moves the place's
+bytes, zeros: the extension's bytes are on top of them).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .._comm import collectives as comm
+
+__all__: list[str] = []
+
+
+def has_extension(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` defines the all-gather extension (both methods, or neither)."""
+    pre = hasattr(tensor, "fsdp_pre_all_gather")
+    post = hasattr(tensor, "fsdp_post_all_gather")
+    if pre != post:
+        raise AssertionError(
+            "Both fsdp_pre_all_gather and fsdp_post_all_gather should be defined if using "
+            f"all-gather extensions: {type(tensor).__qualname__}"
+        )
+    return pre
+
+
+def sharded_local(param: torch.Tensor, rank: int, num_shards: int) -> torch.Tensor:
+    """This rank's ``torch.chunk`` piece of ``param`` (a tensor subclass), as a tensor of its
+    class over storage padded to the chunk's rows, as torch's FSDP2 makes it."""
+    rows = -(-param.shape[0] // num_shards)
+    start = min(rank * rows, param.shape[0])
+    length = max(0, min(rows, param.shape[0] - start))
+    with torch.no_grad():
+        padded = param.new_zeros((rows, *param.shape[1:]))
+        if length:
+            padded.narrow(0, 0, length).copy_(param.narrow(0, start, length))
+        return padded.narrow(0, 0, length)
+
+
+@dataclass
+class _Gather:
+    """One parameter's extension all-gather in flight."""
+
+    index: int
+    local: torch.Tensor
+    inputs: list[torch.Tensor]
+    sizes: list[torch.Size]
+    metadata: Any
+    outputs: list[torch.Tensor]
+    works: list[comm.Pending] = field(default_factory=list)
+
+
+class AllGatherExtensions:
+    """A unit's extension all-gathers (see [Note: all-gather extensions])."""
+
+    def __init__(
+        self,
+        mesh: DeviceMesh,
+        group: dist.ProcessGroup,
+        mp_policy: Any,
+        shapes: list[torch.Size],
+        modules: list[nn.Module],
+    ) -> None:
+        self.shard_mesh = mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]]  # type: ignore[index]
+        """What ``fsdp_pre_all_gather`` is given: the mesh parameters are sharded over."""
+        self._group = group
+        self._mp_policy = mp_policy
+        self._shapes = shapes
+        """Per parameter, its (global) shape: the pre-hook's ``outer_size``."""
+        self._modules = modules
+        """Per parameter, the module that holds it (the pre-hook's ``module``)."""
+        self._pending: list[_Gather] = []
+        self.unsharded: dict[int, torch.Tensor] = {}
+        """Parameter index -> its unsharded tensor built by ``fsdp_post_all_gather``."""
+        self._to_free: list[torch.Tensor] = []
+
+    def issue(self, locals_: dict[int, torch.Tensor], device: torch.device, label: str) -> None:
+        """Run the pre-hooks of the parameters in ``locals_`` (index -> local tensor) and issue
+        their all-gathers."""
+        num_ranks = dist.get_world_size(self._group)
+        for index, local in locals_.items():
+            if local.device != device:
+                local = local.to(device)
+            inputs, metadata = self._pre_all_gather(index, local)
+            inputs = [t.contiguous() for t in inputs]
+            gather = _Gather(
+                index,
+                local,
+                inputs,
+                [t.size() for t in inputs],
+                metadata,
+                [t.new_empty(t.numel() * num_ranks) for t in inputs],
+            )
+            gather.works = [
+                comm.all_gather_into(out, t.view(-1), self._group, f"{label} (extension)")
+                for out, t in zip(gather.outputs, inputs)
+            ]
+            self._pending.append(gather)
+
+    def _pre_all_gather(self, index: int, local: torch.Tensor) -> tuple[list[torch.Tensor], Any]:
+        hook = local.fsdp_pre_all_gather  # type: ignore[attr-defined]
+        if len(inspect.signature(hook).parameters) == 1:
+            inputs, metadata = hook(self.shard_mesh)
+        else:
+            shape = self._shapes[index]
+            stride = torch.empty(shape, device="meta").stride()
+            inputs, metadata = hook(
+                self.shard_mesh, shape, stride, self._modules[index], self._mp_policy
+            )
+        return list(inputs), metadata
+
+    def wait(self, param_dtypes: dict[int, torch.dtype]) -> None:
+        """Wait for the all-gathers and build the unsharded parameters (``param_dtypes``:
+        index -> the dtype to build in)."""
+        pending, self._pending = self._pending, []
+        for gather in pending:
+            for work in gather.works:
+                work.wait()
+            outputs = tuple(
+                out.view(-1, *size[1:]) for out, size in zip(gather.outputs, gather.sizes)
+            )
+            hook = gather.local.fsdp_post_all_gather  # type: ignore[attr-defined]
+            unsharded, to_free = hook(outputs, gather.metadata, param_dtypes[gather.index])
+            shape = self._shapes[gather.index]
+            stride = torch.empty(shape, device="meta").stride()
+            self.unsharded[gather.index] = torch.as_strided(unsharded, shape, stride, 0)
+            self._to_free.extend(to_free)
+
+    def reshard(self) -> None:
+        """Drop the unsharded tensors (and what the post-hooks asked to free)."""
+        for gather in self._pending:
+            for work in gather.works:
+                work.wait()
+        self._pending = []
+        self.unsharded = {}
+        self._to_free = []
