@@ -358,6 +358,9 @@ def all_gather_into(
     """All-gather equal ``shard`` s from every rank of ``group`` into ``output`` (rank order),
     or into ``sink`` where ``gathers_into_sink`` said so (``output`` then only gives sizes)."""
     num_ranks = dist.get_world_size(group)
+    if num_ranks == 1 and sink is None:  # nothing to communicate (torch's FSDP2 calls none)
+        output.copy_(shard.view(-1)[: output.numel()])
+        return completed("all_gather", label, group)
     if debug_checks_enabled():
         _check_agreement("all_gather", label, output, group)
     COUNTERS.record("all_gather", label, _tensor_bytes(output) * (num_ranks - 1) / num_ranks)
@@ -417,6 +420,9 @@ def reduce_scatter_into(
     in ``output``. ``full`` may be overwritten. (The shared-memory transport divides while
     it copies, saving a pass over ``full``; either way each element is ``x / predivide``.)"""
     num_ranks = dist.get_world_size(group)
+    if num_ranks == 1:
+        output.copy_(full.view(-1)[: output.numel()].div(predivide))
+        return completed("reduce_scatter", label, group)
     if debug_checks_enabled():
         _check_agreement("reduce_scatter", label, full, group)
     COUNTERS.record("reduce_scatter", label, _tensor_bytes(full) * (num_ranks - 1) / num_ranks)
@@ -442,6 +448,8 @@ def all_reduce(
 ) -> Pending:
     """Reduce ``tensor`` in place over ``group`` (a sum unless ``op`` says otherwise)."""
     num_ranks = dist.get_world_size(group)
+    if num_ranks == 1:
+        return completed("all_reduce", label, group)
     if debug_checks_enabled():
         _check_agreement("all_reduce", label, tensor, group)
     COUNTERS.record("all_reduce", label, 2 * _tensor_bytes(tensor) * (num_ranks - 1) / num_ranks)

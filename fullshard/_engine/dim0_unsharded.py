@@ -34,12 +34,10 @@ from .layout import Dim0Layout, make_dim0_layout
 __all__: list[str] = []
 
 
-def _alias(tensor: torch.Tensor, dim: int) -> torch.Tensor:
-    """A new tensor over ``tensor``'s storage with a version counter of its own, its dim 0
-    moved back to ``dim`` (see [Note: sharding on another dim] in dtensor_params.py)."""
-    view = tensor.movedim(0, dim) if dim else tensor
+def _alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A new tensor over ``tensor``'s storage with a version counter of its own."""
     alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-    alias.set_(tensor.untyped_storage(), tensor.storage_offset(), view.shape, view.stride())
+    alias.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
     return alias
 
 
@@ -63,12 +61,16 @@ class Dim0Unsharded:
         device: torch.device,
         dims: list[int] | None = None,
         tensors: list[torch.Tensor] | None = None,
+        shapes: list[torch.Size] | None = None,
     ) -> None:
         self.layout = layout
         self.dims = dims if dims is not None else [0] * len(layout.slots)
-        """Per slot, the dim its parameter is sharded on: ``tensors`` hold it moved to dim 0."""
+        """Per slot, the dim its parameter is sharded on (see [Note: sharding on another dim]
+        in dtensor_params.py): ``tensors`` hold it in its own shape, contiguous, and its
+        ranks' pieces are copied to and from their places rank by rank."""
         if tensors is None:  # given: the same parameters gathered over another layout
-            tensors = [torch.empty(slot.shape, dtype=dtype, device=device) for slot in layout.slots]
+            own = shapes if shapes is not None else [slot.shape for slot in layout.slots]
+            tensors = [torch.empty(shape, dtype=dtype, device=device) for shape in own]
             for tensor in tensors:
                 _free(tensor)
         self.tensors = tensors
@@ -115,14 +117,41 @@ class Dim0Unsharded:
                 parts.append((flat, first, last, layout.rank_row_start(index, rank)))
         return parts
 
+    @property
+    def sinkable(self) -> bool:
+        """Whether ``receive`` can take deliveries: every parameter sharded on dim 0 (a
+        rank's part of one on another dim is not a range of it)."""
+        return not any(self.dims)
+
+    def pairs(
+        self, index: int, tensor: torch.Tensor, flat: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(part of ``tensor``, its place in the unsharded ``flat``) for slot ``index``: the
+        layout's rows on dim 0; on another dim d, each rank's piece ``tensor.narrow(d, ...)``
+        and its block, which holds that piece contiguous."""
+        dim = self.dims[index]
+        if not dim:
+            return self.layout.rank_chunks(index, tensor, flat)
+        layout = self.layout
+        size = tensor.shape[dim] // layout.num_shards
+        piece_shape = (*tensor.shape[:dim], size, *tensor.shape[dim + 1 :])
+        offset, numel = layout.slots[index].offset, layout.slots[index].numel // layout.num_shards
+        blocks = flat[: layout.padded_numel].view(layout.num_shards, layout.shard_numel)
+        return [
+            (
+                tensor.narrow(dim, rank * size, size),
+                blocks[rank, offset : offset + numel].view(piece_shape),
+            )
+            for rank in range(layout.num_shards)
+        ]
+
     def fill(self, gathered: torch.Tensor) -> None:
         """Copy each parameter out of the all-gathered buffer (copy-out)."""
-        layout = self.layout
         with torch.no_grad():
             for index, tensor in enumerate(self.tensors):
                 _allocate(tensor)
-                for rows, place in layout.rank_chunks(index, tensor, gathered):
-                    rows.copy_(place)
+                for part, place in self.pairs(index, tensor, gathered):
+                    part.copy_(place)
 
     def free(self) -> None:
         for tensor in self.tensors:
@@ -150,8 +179,8 @@ class _Unflatten(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # a parameter that got no gradient arrives as None
         overrides = unsharded.overrides
         return tuple(
-            overrides[slot].detach() if slot in overrides else _alias(t, dim)
-            for slot, (t, dim) in enumerate(zip(unsharded.tensors, unsharded.dims))
+            overrides[slot].detach() if slot in overrides else _alias(t)
+            for slot, t in enumerate(unsharded.tensors)
         )
 
     @staticmethod
@@ -164,18 +193,10 @@ class _Unflatten(torch.autograd.Function):
         for index, grad in enumerate(grads):
             if grad is None:
                 continue
-            dim = unsharded.dims[index]
-            grad = grad.movedim(dim, 0) if dim else grad
-            for rows, place in layout.rank_chunks(index, grad, flat):
-                place.copy_(rows)
-        if layout.num_counters:  # see [Note: parameters without a gradient] in grads.py
-            received = [g is not None for g in grads]
-            counters = layout.counters(flat)
-            if covered:
-                counters.fill_(1)
-            else:
-                counters[:, torch.tensor(received, device=flat.device)] = 1
-            unsharded.grads_received = [a or b for a, b in zip(unsharded.grads_received, received)]
+            for part, place in unsharded.pairs(index, grad, flat):
+                place.copy_(part)
+        received = [g is not None for g in grads]  # see [Note: parameters without a gradient]
+        unsharded.grads_received = [a or b for a, b in zip(unsharded.grads_received, received)]
         return flat, None
 
 

@@ -89,11 +89,13 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 # [Note: sharding on another dim]
 # ``shard_placement_fn`` may shard a parameter on a dim d other than 0 (e.g. MoE experts on
-# dim 1). The layout only splits dim 0, so such a parameter enters it moved: the unit lays
-# out ``param.movedim(d, 0)`` (``to_layout``), whose dim-0 chunks are exactly the
-# parameter's ``torch.chunk`` pieces on dim d. Its local tensor is its piece of the shard
-# viewed back (``movedim(0, d)``: a non-contiguous view, updated in place like any other),
-# and its unsharded tensor is an alias with the moved tensor's strides permuted back.
+# dim 1), which must split evenly over the n shard ranks (as torch requires). The layout
+# only splits dim 0, so such a parameter enters it as an (n, piece) matrix (``to_layout``):
+# row r is rank r's ``torch.chunk`` piece on dim d, contiguous. Its local tensor is its
+# piece of the shard viewed in the piece's shape (contiguous, as torch's); unsharded, the
+# parameter is a contiguous tensor of its own shape, and each rank's piece is copied
+# between its narrow on dim d and its block (``Dim0Unsharded.pairs``): one copy each way,
+# as torch's copy-out for such dims.
 
 
 class DTensorParams:
@@ -130,9 +132,17 @@ class DTensorParams:
         self._shapes = [p.shape for p in params]
         """Each parameter's (global) shape; its strides are contiguous ones."""
         self._strides = [torch.empty(shape, device="meta").stride() for shape in self._shapes]
+        self.num_shards = mesh.size(mesh.ndim - 1)
+        """The ranks parameters are sharded over (the mesh's last dim)."""
+        self._own_shapes = [local_tensor(p).shape for p in params]
+        self._piece_shapes = [
+            torch.Size((*shape[:dim], shape[dim] // self.num_shards, *shape[dim + 1 :]))
+            for shape, dim in zip(self._own_shapes, self.dims)
+        ]
+        """Per parameter, each rank's piece on its shard dim (used for dims other than 0)."""
         self._layout_shapes = [
-            self.to_layout(index, torch.empty(local_tensor(p).shape, device="meta")).shape
-            for index, p in enumerate(params)
+            self.to_layout(index, torch.empty(shape, device="meta")).shape
+            for index, shape in enumerate(self._own_shapes)
         ]
         self._specs: dict[tuple[int, torch.dtype], DTensorSpec] = {}
         """(parameter, dtype) -> the spec its DTensors share (see ``wrap``)."""
@@ -161,25 +171,36 @@ class DTensorParams:
         )
 
     def to_layout(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
-        """Parameter ``index`` (or its gradient) in the orientation the layout splits on dim 0;
-        of a tensor-parallel DTensor, its local TP piece."""
+        """Parameter ``index`` (its full value, unsharded) as the layout splits it on dim 0:
+        itself, or on another dim an (n, piece) matrix of its ranks' pieces (see [Note:
+        sharding on another dim]); of a tensor-parallel DTensor, its local TP piece."""
         tensor = local_tensor(tensor)
         dim = self.dims[index]
-        return tensor.movedim(dim, 0) if dim else tensor
+        if not dim:
+            return tensor
+        num_shards = self.num_shards
+        pieces = tensor.unflatten(dim, (num_shards, tensor.shape[dim] // num_shards))
+        return pieces.movedim(dim, 0).reshape(num_shards, -1)
 
     def from_layout(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
-        """``to_layout`` undone: a tensor in the layout's orientation as parameter ``index``."""
+        """``to_layout`` undone (a copy, on another dim than 0)."""
         dim = self.dims[index]
-        return tensor.movedim(0, dim) if dim else tensor
+        if not dim:
+            return tensor
+        shape = self._piece_shapes[index]
+        return tensor.view(self.num_shards, *shape).movedim(0, dim).flatten(dim, dim + 1)
 
-    def layout_shape(self, index: int) -> torch.Size:
-        return self._layout_shapes[index]
+    def own_shape(self, index: int) -> torch.Size:
+        """Parameter ``index``'s unsharded shape (its TP piece's, under tensor parallel)."""
+        return self._own_shapes[index]
 
     def _local(self, index: int, piece: torch.Tensor) -> torch.Tensor:
         """``piece`` (flat, in layout order) as parameter ``index``'s local tensor."""
+        if self.dims[index]:
+            return piece.view(self._piece_shapes[index] if piece.numel() else (0,))
         rest = self._layout_shapes[index][1:]
         row_numel = max(1, rest.numel())
-        return self.from_layout(index, piece.view(piece.numel() // row_numel, *rest))
+        return piece.view(piece.numel() // row_numel, *rest)
 
     def wrap(self, index: int, piece: torch.Tensor) -> DTensor:
         """Parameter ``index``'s DTensor (a sharded parameter or gradient) over ``piece``, its

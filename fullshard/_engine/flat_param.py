@@ -35,6 +35,7 @@ from .grads import GradReduction, assign_grad
 from .handle_state import HandleState
 from .layout import ParamSlot, ShardPiece, UnitLayout, make_unit_layout
 from .orig_params import OrigParamViews
+from .summon_views import SummonViews
 
 __all__ = ["FlatParamHandle", "FlatParameter", "HandleState"]
 
@@ -82,7 +83,7 @@ _FSDP_USE_UNSAFE_SETATTR = "FSDP_USE_UNSAFE_SETATTR"
 # (`has_frozen_segment`; see [Note: resharding units with frozen parameters] in runtime.py).
 
 
-class FlatParamHandle(OrigParamViews, GradReduction):
+class FlatParamHandle(OrigParamViews, SummonViews, GradReduction):
     """Owns a unit's flat parameters: their storage (one or two segments), views and gradient.
 
     Parameters are given in registration order; ``owners[i]`` lists every ``(module, attr)``
@@ -221,6 +222,9 @@ class FlatParamHandle(OrigParamViews, GradReduction):
                 self._compute_dtype(params[indices[0]].dtype),
                 shard_dims=None if dtensors is None else [dtensors.dims[i] for i in indices],
                 post_forward_group=None if dtensors is None else dtensors.post_forward_group,
+                unsharded_shapes=None
+                if dtensors is None
+                else [dtensors.own_shape(i) for i in indices],
             )
             segments.append(segment)
         return tuple(segments)

@@ -107,14 +107,23 @@ class FlatSegment:
         compute_dtype: torch.dtype,
         shard_dims: list[int] | None = None,
         post_forward_group: dist.ProcessGroup | None = None,
+        unsharded_shapes: list[torch.Size] | None = None,
     ) -> None:
         assert len(params) == len(indices) == len(layout.slots)
         self._shard_dims = shard_dims
         """Dim-0 layouts: per slot, the dim its parameter is sharded on (the layout holds it
         moved to dim 0; see [Note: sharding on another dim] in dtensor_params.py)."""
+        self._unsharded_shapes = unsharded_shapes
+        """Dim-0 layouts: per slot, its parameter's unsharded shape (None: the slot's)."""
         self._post_forward: PostForwardShard | None = None
         """``reshard_after_forward=k``: the parameters kept over ``k`` ranks after forward."""
         if post_forward_group is not None and isinstance(layout, Dim0Layout):
+            if any(shard_dims or ()):
+                raise NotImplementedError(
+                    "reshard_after_forward as an int is not implemented by fullshard for "
+                    "parameters sharded on another dim than 0 (shard_placement_fn); use True "
+                    "or False, or shard them on dim 0"
+                )
             self._post_forward = PostForwardShard(layout, post_forward_group)
         self._after_gather: Callable[[], None] | None = None
         self.layout = layout
@@ -158,9 +167,7 @@ class FlatSegment:
         # the compute device (see [Note: devices] in init.py).
         dtype, device = params[0].dtype, params[0].device
         with torch.no_grad():
-            # this rank's pieces; zeros where padding (a dim-0 layout over one shard too: it
-            # has gradient-usage counters after the parameters)
-            if self.uses_sharded_strategy or isinstance(layout, Dim0Layout):
+            if self.uses_sharded_strategy:  # this rank's pieces; zeros where padding
                 local_shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
                 for param, piece in zip(params, self.pieces):
                     if piece is not None:
@@ -214,7 +221,9 @@ class FlatSegment:
         leaf.requires_grad_(self.requires_grad)
         params = None
         if isinstance(self.layout, Dim0Layout):
-            params = Dim0Unsharded(self.layout, dtype, self.device, self._shard_dims)
+            params = Dim0Unsharded(
+                self.layout, dtype, self.device, self._shard_dims, shapes=self._unsharded_shapes
+            )
         unsharded = Unsharded(padded, leaf, aliases_shard, None, params)
         self._hook_leaf(unsharded)
         return unsharded
@@ -319,6 +328,7 @@ class FlatSegment:
         if (
             params is not None
             and self.uses_sharded_strategy
+            and params.sinkable
             and comm.gathers_into_sink(self.groups.shard, padded)
         ):
             params.allocate()  # each peer's rows copied straight in

@@ -17,7 +17,6 @@ from .._comm import custom
 from .._comm.groups import ShardingGroups, gradient_divide_factors
 from .dtensor_params import DTensorParams
 from .flat_segment import FlatParameter, FlatSegment
-from .layout import Dim0Layout
 
 __all__: list[str] = []
 
@@ -47,17 +46,14 @@ class _PendingReduction:
 # ``.grad`` as it was (None after zero_grad(set_to_none=True)), so the optimizer skips it
 # (no weight decay, no moment update), unless `set_reduce_scatter_unused_params(True)` asks
 # for zeros. torch reduce-scatters only the gradients its rank has, so ranks that disagree
-# on which parameters got one mismatch the collective (a hang, or an error).
+# on which parameters got one mismatch the collective (a hang, or garbage).
 # fullshard reduce-scatters a unit's whole flat gradient (zeros where a parameter got none),
-# so ranks never disagree on the collective, and gives FSDP2 parameters torch's `.grad`:
-# each rank's block of a dim-0 layout ends with one counter per parameter (see
-# `layout.Dim0Layout`), backward writes 1 into every rank's counter of each parameter that
-# got a gradient, and the reduce-scatter sums them: a parameter whose counter is 0 got no
-# gradient on any rank and keeps its `.grad`. Reading the counters costs a device-to-host
-# copy, so a rank reads them only when its own backward missed a trainable parameter
-# (otherwise every parameter got a gradient somewhere). Where ranks disagree, every rank
-# gets the reduced gradient (torch's result with `set_reduce_scatter_unused_params(True)`),
-# rather than torch's hang.
+# of torch's size, so ranks never disagree on the collective, and keeps torch's rule: a
+# parameter this rank's backward gave no gradient keeps its `.grad`, unless its reduced
+# piece here is not all zeros (another rank's backward did give it one: torch's result with
+# the flag, rather than its hang, and never a piece of the parameter left unstepped on some
+# ranks only). The check costs a device-to-host copy, only on a rank whose backward missed
+# a trainable parameter.
 
 
 def assign_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
@@ -279,20 +275,24 @@ class GradReduction:
             self._step_optimizers_in_backward()
 
     def _unused_everywhere(self, pending: _PendingReduction) -> set[int]:
-        """The parameters (indices) no rank's backward gave a gradient to, from the
-        reduced counters (see [Note: parameters without a gradient]); none with
-        ``reduce_unused_params``."""
+        """The parameters (indices) this rank's backward gave no gradient to and whose
+        reduced piece here is all zeros (see [Note: parameters without a gradient]); none
+        with ``reduce_unused_params``."""
         received = pending.received
-        segment = self._segments[0]
-        layout = segment.layout
-        if received is None or self.reduce_unused_params or not isinstance(layout, Dim0Layout):
+        if received is None or self.reduce_unused_params:
             return set()
-        trains = [self._orig_params[index].requires_grad for index in segment.indices]
-        missing = [i for i, (got, t) in enumerate(zip(received, trains)) if t and not got]
+        segment = self._segments[0]
+        missing = [
+            (index, piece)
+            for index, got, piece in zip(
+                segment.indices, received, segment.sharded_piece_views(pending.reduced_grad)
+            )
+            if not got and self._orig_params[index].requires_grad
+        ]
         if not missing:
             return set()
-        counters = pending.reduced_grad[layout.counters_offset :].tolist()
-        return {segment.indices[i] for i in missing if counters[i] == 0}
+        nonzero = torch.stack([piece.any() for _, piece in missing]).tolist()
+        return {index for (index, _), used in zip(missing, nonzero) if not used}
 
     def init_optimizers_in_backward(self) -> None:
         """At lazy initialisation: find optimizers applied in backward (see the note)."""

@@ -18,7 +18,6 @@ parameters first, then the frozen ones.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -127,25 +126,10 @@ class Dim0Layout(FlatLayout):
     parameter's rows are spread over the ranks' blocks, so its unsharded tensor is a copy
     (autograd links it to the buffer; one rank, it is a view).
 
-    A unit's layout also ends every rank's block with one gradient-usage counter per
-    parameter (``num_counters``; ``u`` below), which no parameter views: backward writes 1
-    into every rank's counters of each parameter that got a gradient, so after the
-    reduce-scatter each rank's counters say which parameters got one on any rank (see
-    [Note: parameters without a gradient] in grads.py). The example with counters::
-
-        rank 0 shard (11): [a0 a1 a2 a3 a4 a5 | b0 b1 | pad | ua ub]
-        rank 1 shard (11): [a6 a7 a8 a9 pad pad | b2 | pad pad | ua ub]
     """
 
     chunk_rows: tuple[int, ...] = ()
     """Per slot, the rows of each rank's (padded) chunk: ``ceil(rows / num_shards)``."""
-    num_counters: int = 0
-    """Gradient-usage counters at the end of each rank's block: one per slot, or none."""
-
-    @property
-    def counters_offset(self) -> int:
-        """Where the gradient-usage counters start in each rank's block."""
-        return self.shard_numel - self.num_counters
 
     @property
     def leaf_numel(self) -> int:
@@ -183,14 +167,8 @@ class Dim0Layout(FlatLayout):
 
     @property
     def evenly_split(self) -> bool:
-        """Every parameter's rows split evenly over the shards: the buffer has no padding
-        (the counters aside)."""
-        return self.padded_numel == self.numel + self.num_counters * self.num_shards
-
-    def counters(self, flat: torch.Tensor) -> torch.Tensor:
-        """Every rank's counters in the unsharded ``flat``: ``(num_shards, num_counters)``."""
-        blocks = flat[: self.padded_numel].view(self.num_shards, self.shard_numel)
-        return blocks[:, self.counters_offset :]
+        """Every parameter's rows split evenly over the shards: the buffer has no padding."""
+        return self.padded_numel == self.numel
 
     def rank_chunks(
         self, index: int, param: torch.Tensor, flat: torch.Tensor
@@ -235,10 +213,8 @@ def make_dim0_layout(
     shapes: list[torch.Size],
     requires_grads: list[bool],
     num_shards: int,
-    counters: bool = False,
 ) -> Dim0Layout:
-    """Lay out parameters split on dim 0 over ``num_shards`` shards (see ``Dim0Layout``),
-    with gradient-usage ``counters`` or without."""
+    """Lay out parameters split on dim 0 over ``num_shards`` shards (see ``Dim0Layout``)."""
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     slots: list[ParamSlot] = []
@@ -253,11 +229,7 @@ def make_dim0_layout(
         chunk_rows.append(rows)
         offset += rows * (shape.numel() // shape[0] if shape[0] else 0)
     numel = sum(slot.numel for slot in slots)
-    num_counters = len(slots) if counters else 0
-    offset += num_counters
-    return Dim0Layout(
-        tuple(slots), numel, offset * num_shards, num_shards, tuple(chunk_rows), num_counters
-    )
+    return Dim0Layout(tuple(slots), numel, offset * num_shards, num_shards, tuple(chunk_rows))
 
 
 def padded_numel(numel: int, num_shards: int) -> int:
@@ -329,7 +301,7 @@ def make_unit_layout(
 ) -> UnitLayout:
     """Lay out a unit's parameters: one segment, or trainable then frozen (see ``UnitLayout``);
     flat (FSDP1) or split on dim 0 (``dim0``, FSDP2: see ``Dim0Layout``)."""
-    make = functools.partial(make_dim0_layout, counters=True) if dim0 else make_layout
+    make = make_dim0_layout if dim0 else make_layout
     if not len(fqns) == len(shapes) == len(requires_grads):
         raise ValueError("fqns, shapes and requires_grads must have the same length")
     if len(set(requires_grads)) <= 1:

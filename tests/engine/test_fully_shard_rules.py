@@ -100,6 +100,52 @@ def test_parameters_with_fewer_rows_than_ranks_train_as_ddp(world_size: int) -> 
     run_on_ranks(world_size, _few_rows_parity, 2.0)
 
 
+def _train_few_rows_fsdp1(
+    use_orig_params: bool, norm_type: float
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """FSDP1's door on the same model: ``proj`` a unit of its own, clipped by the root's
+    ``clip_grad_norm_``; a parameter with no piece on a rank has no gradient there (as
+    torch's FSDP1)."""
+    from fullshard import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(0)
+    model = FewRows()
+    model.proj = FSDP(model.proj, use_orig_params=use_orig_params)
+    wrapped = FSDP(model, use_orig_params=use_orig_params)
+    optim = torch.optim.AdamW(wrapped.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for step in range(5):
+        loss = wrapped(_batch(step)).pow(2).mean()
+        loss.backward()
+        wrapped.clip_grad_norm_(0.05, norm_type=norm_type)
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    with FSDP.summon_full_params(wrapped):
+        params = {
+            n.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
+            for n, p in wrapped.named_parameters()
+        }
+    return losses, params
+
+
+def _few_rows_parity_fsdp1() -> None:
+    for norm_type in (2.0, float("inf")):
+        ddp, ddp_params = _train_few_rows("ddp", 5, norm_type)
+        for use_orig_params in (False, True):
+            ours, our_params = _train_few_rows_fsdp1(use_orig_params, norm_type)
+            assert ours == pytest.approx(ddp, rel=1e-5), (use_orig_params, norm_type)
+            for name, value in ddp_params.items():
+                torch.testing.assert_close(our_params[name], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_fsdp1_door_with_fewer_rows_than_ranks_trains_as_ddp(world_size: int) -> None:
+    """The FSDP1 door on the same parameters (1 to 3 rows on 2 to 4 ranks), both
+    ``use_orig_params``, clipping with norm types 2 and inf: 5 AdamW steps match DDP."""
+    run_on_ranks(world_size, _few_rows_parity_fsdp1)
+
+
 def _few_rows_inf_norm() -> None:
     """The inf-norm where no local gradient is empty (every parameter has a row per rank)."""
     for api in ("fullshard", "ddp"):
@@ -583,3 +629,75 @@ def test_the_public_surface_is_torchs() -> None:
     theirs = inspect.signature(torch_fsdp.fully_shard).parameters
     ours = inspect.signature(fullshard.fully_shard).parameters
     assert list(ours) == list(theirs)
+
+
+# -- sub-meshes and tensor parallel ----------------------------------------------------------
+
+
+def _train_on(
+    api: str, mesh: Any, tp_mesh: Any
+) -> tuple[list[float], list[torch.Tensor], list[Any]]:
+    """Two blocks (tensor parallel over ``tp_mesh`` first, if given), then ``fully_shard``
+    over ``mesh``."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(0)
+    dim = 6  # the hidden width, 18, splits over 2 TP ranks (torch's TP needs it)
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(dim, 3 * dim), nn.ReLU(), nn.Linear(3 * dim, dim)),
+        nn.Sequential(nn.Linear(dim, 3 * dim), nn.ReLU(), nn.Linear(3 * dim, dim)),
+    )
+    for block in model:
+        if tp_mesh is not None:
+            plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+            parallelize_module(block, tp_mesh, plan)
+        _fully_shard(api)(block, mesh=mesh)
+    _fully_shard(api)(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    data_rank = mesh.get_local_rank(mesh.ndim - 1)
+    for step in range(4):
+        generator = torch.Generator().manual_seed(100 * step + data_rank)
+        loss = model(torch.randn(4, dim, generator=generator)).pow(2).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    placements = [(p.device_mesh.mesh_dim_names, p.placements) for p in model.parameters()]
+    return losses, [_full(p) for p in model.parameters()], placements
+
+
+def _composed_as_torch(dims: tuple[str, ...], shape: tuple[int, ...], dp: str, tp: bool) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = init_device_mesh("cpu", shape, mesh_dim_names=dims)
+    tp_mesh = world["tp"] if tp else None
+    ours = _train_on("fullshard", world[dp], tp_mesh)
+    theirs = _train_on("torch", world[dp], tp_mesh)
+    assert ours[2] == theirs[2]  # the same meshes and placements
+    assert ours[0] == pytest.approx(theirs[0], rel=1e-5), (ours[0], theirs[0])
+    for mine, their in zip(ours[1], theirs[1]):
+        torch.testing.assert_close(mine, their, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("dims", "shape", "dp", "tp"),
+    [
+        (("pp", "dp"), (2, 2), "dp", False),
+        (("dp", "tp"), (2, 2), "dp", True),
+    ],
+    ids=["pp2-dp2-sub-mesh", "dp2-tp2"],
+)
+def test_sub_meshes_and_tensor_parallel_train_as_torch(
+    dims: tuple[str, ...], shape: tuple[int, ...], dp: str, tp: bool
+) -> None:
+    """On 4 ranks: fully_shard over the "dp" rows of a (pp, dp) mesh (each row its own data
+    parallel group), and over "dp" of a (dp, tp) mesh after ColwiseParallel / RowwiseParallel
+    (parameters then DTensors on both dims with torch's placements, _StridedShard included):
+    the same losses and parameters as torch's FSDP2 (+ TP) on the same meshes."""
+    run_on_ranks(4, _composed_as_torch, dims, shape, dp, tp)
