@@ -222,6 +222,62 @@ def test_dcp_of_parameters_with_fewer_rows_than_ranks(
         torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=name)
 
 
+def _fsdp1_few_rows(use_orig_params: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from fullshard import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(0)
+    model = FewRows()
+    model.proj = FSDP(model.proj, use_orig_params=use_orig_params)
+    wrapped = FSDP(model, use_orig_params=use_orig_params)
+    return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+
+
+def _fsdp1_full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The full parameters and AdamW moments, by parameter name (FULL optimizer state)."""
+    from fullshard import FullyShardedDataParallel as FSDP
+
+    full = {name: value.clone() for name, value in model.state_dict().items()}
+    osd = FSDP.optim_state_dict(model, optim)
+    for name, state in osd["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            full[f"{name}.{key}"] = state[key].clone()
+    return full
+
+
+def _fsdp1_save_few_rows(path: str, use_orig_params: bool) -> dict[str, torch.Tensor]:
+    from fullshard import checkpoint
+
+    model, optim = _fsdp1_few_rows(use_orig_params)
+    for step in range(3):
+        model(_batch(step)).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+    checkpoint.save(path, model, optim, step=3)
+    return _fsdp1_full_state(model, optim)
+
+
+def _fsdp1_load_few_rows(path: str, use_orig_params: bool) -> dict[str, torch.Tensor]:
+    from fullshard import checkpoint
+
+    model, optim = _fsdp1_few_rows(use_orig_params)
+    assert checkpoint.load(path, model, optim)["step"] == 3
+    return _fsdp1_full_state(model, optim)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_fsdp1_door_checkpoint_with_fewer_rows_than_ranks(
+    use_orig_params: bool, tmp_path: Any
+) -> None:
+    """The FSDP1 door's sharded checkpoint (DCP) with parameters of 1 to 3 rows, saved on 4
+    ranks (some hold no piece of them) and loaded on 3: every parameter and moment exact."""
+    path = str(tmp_path / "checkpoint")
+    saved = run_on_ranks(4, _fsdp1_save_few_rows, path, use_orig_params)[0]
+    loaded = run_on_ranks(3, _fsdp1_load_few_rows, path, use_orig_params)[0]
+    assert saved.keys() == loaded.keys()
+    for name, value in saved.items():
+        torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=name)
+
+
 # -- torch's own config objects ------------------------------------------------------------
 
 

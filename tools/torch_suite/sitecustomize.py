@@ -232,6 +232,22 @@ def _cpu_plumbing(torch):
     if stream is not None:
         stream.synchronize = lambda self: None
         stream.wait_stream = lambda self, other: None
+    _cuda_like_cpu_autocast(torch)
+
+
+def _cuda_like_cpu_autocast(torch):
+    """The tests' DDP references run under ``torch.amp.autocast(DEVICE_TYPE)``, whose default
+    dtype is float16 on CUDA (what the tests' FSDP mixed precision uses) but bfloat16 on the
+    CPU: make the CPU's default float16 too, as on the GPU the tests were written for."""
+    autocast = torch.amp.autocast
+    original_init = autocast.__init__
+
+    def __init__(self, device_type, dtype=None, *args, **kwargs):
+        if device_type == "cpu" and dtype is None:
+            dtype = torch.float16
+        original_init(self, device_type, dtype, *args, **kwargs)
+
+    autocast.__init__ = __init__
 
 
 def _patch_common_utils(module):
