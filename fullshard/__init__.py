@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         register_fsdp_forward_method,
         share_comm_ctx,
     )
+    from ._install import install
     from .api import (
         BackwardPrefetch,
         CPUOffload,
@@ -74,6 +75,7 @@ _HOMES = {
     "StateDictSettings": "api",
     "StateDictType": "api",
     "FlatParameter": "flat_param",
+    "install": "_install",
     "FullyShardedDataParallel": "fully_sharded_data_parallel",
     "OptimStateKeyType": "fully_sharded_data_parallel",
     "ShardedGradScaler": "sharded_grad_scaler",
@@ -108,6 +110,7 @@ __all__ = [
     "StateDictType",
     "UnshardHandle",
     "fully_shard",
+    "install",
     "register_fsdp_forward_method",
     "share_comm_ctx",
     "wrap",

@@ -22,18 +22,28 @@ from .._engine import forward as _forward
 from .._engine.flat_param import HandleState
 from .._engine.runtime import TrainingState, UnitRuntime
 from .._engine.unit import Unit, units_in
+from .._install import torch_fsdp_module_class
 from .state import state_of
 
 __all__ = ["FSDPModule", "UnshardHandle", "fsdp_class", "share_comm_ctx"]
 
-_FSDP_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
-"""Original class -> its ``FSDP<Class>`` subclass (made once per class)."""
+_FSDP_CLASSES: dict[tuple[type[nn.Module], type | None], type[nn.Module]] = {}
+"""(original class, torch's ``FSDPModule`` or None) -> its ``FSDP<Class>`` subclass (made
+once per class, and per state of the install switch)."""
 
 
 def fsdp_class(cls: type[nn.Module]) -> type[nn.Module]:
-    if cls not in _FSDP_CLASSES:
-        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-    return _FSDP_CLASSES[cls]
+    """``FSDP<cls>``: fullshard's ``FSDPModule`` first, then (with the install switch on)
+    torch's ``FSDPModule``, so ``isinstance`` against torch's class holds too (see [Note: the
+    install switch] in ``_install``), then ``cls``."""
+    torch_fsdp_module = torch_fsdp_module_class()
+    key = (cls, torch_fsdp_module)
+    if key not in _FSDP_CLASSES:
+        bases = (
+            (FSDPModule, cls) if torch_fsdp_module is None else (FSDPModule, torch_fsdp_module, cls)
+        )
+        _FSDP_CLASSES[key] = type(f"FSDP{cls.__name__}", bases, {"_orig_cls_mro_index": len(bases)})
+    return _FSDP_CLASSES[key]
 
 
 class UnshardHandle:

@@ -259,7 +259,11 @@ class AppliedTwiceError(ValueError, AssertionError):
 def _check_not_applied(module: nn.Module) -> None:
     """Twice on one module, or top-down (a parameter already managed by an ancestor's call)."""
     if isinstance(module, FSDPModule) or unit_of(module) is not None:
-        original = type(module).__mro__[2] if isinstance(module, FSDPModule) else type(module)
+        original = (
+            type(module).__mro__[type(module)._orig_cls_mro_index]
+            if isinstance(module, FSDPModule)
+            else type(module)
+        )
         raise AppliedTwiceError(
             "Each distinct composable distributed API can only be applied to a module once. "
             f"fully_shard was already applied to this {original.__qualname__}; apply it once "
