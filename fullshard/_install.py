@@ -101,7 +101,6 @@ _STATE: dict[str, Any] = {
     "installed": False,
     "pending_log": False,  # started by FULLSHARD_INSTALL: check torch's version at the swap
     "deferred": False,  # a swap waits for torch._dynamo to finish importing
-    "torch_fsdp_module": None,  # torch's FSDPModule class, as its module defined it
 }
 
 
@@ -163,26 +162,29 @@ def _swap_loaded(just_loaded: str | None = None) -> None:
         _STATE["pending_log"] = False
         _check_torch_version()
         logger.info("fullshard serves torch.distributed.fsdp in this process (pid %d)", os.getpid())
-    import fullshard
-    from fullshard import wrap
+    from ._fsdp2.state import TorchFSDPModule  # not at start-up: it imports torch
 
+    ours = _fullshard_names()
     for home, names in _HOMES.items():
         module = sys.modules.get(home)
         if module is None:
             continue
-        source: Any = wrap if home.endswith(".wrap") else fullshard
         original = vars(module).get("FSDPModule")
-        if original is not None and original is not fullshard.FSDPModule:
-            _STATE["torch_fsdp_module"] = original
-        for name in wrap.__all__ if home.endswith(".wrap") else names:
+        if original is not None and original is not ours["FSDPModule"]:
+            TorchFSDPModule.cls = original
+        for name in ours["__wrap__"] if home.endswith(".wrap") else names:
             if hasattr(module, name):
-                setattr(module, name, getattr(source, name))
+                setattr(module, name, ours[name])
 
 
-def torch_fsdp_module_class() -> type | None:
-    """torch's ``FSDPModule`` class once the switch is on (fullshard's module classes then
-    derive from it too, so ``isinstance`` by code that bound it early holds), else None."""
-    return _STATE["torch_fsdp_module"] if _STATE["installed"] else None
+def _fullshard_names() -> dict[str, Any]:
+    """fullshard's object for each name the switch replaces (``__wrap__``: wrap's names)."""
+    from . import _fsdp2, api, fully_sharded_data_parallel, sharded_grad_scaler, wrap
+
+    ours: dict[str, Any] = {"__wrap__": list(wrap.__all__)}
+    for source in (api, _fsdp2, fully_sharded_data_parallel, sharded_grad_scaler, wrap):
+        ours.update((name, getattr(source, name)) for name in source.__all__)
+    return ours
 
 
 class _SwapAfterExec(importlib.abc.Loader):

@@ -22,8 +22,7 @@ from .._engine import forward as _forward
 from .._engine.flat_param import HandleState
 from .._engine.runtime import TrainingState, UnitRuntime
 from .._engine.unit import Unit, units_in
-from .._install import torch_fsdp_module_class
-from .state import state_of
+from .state import TorchFSDPModule, state_of
 
 __all__ = ["FSDPModule", "UnshardHandle", "fsdp_class", "share_comm_ctx"]
 
@@ -36,7 +35,7 @@ def fsdp_class(cls: type[nn.Module]) -> type[nn.Module]:
     """``FSDP<cls>``: fullshard's ``FSDPModule`` first, then (with the install switch on)
     torch's ``FSDPModule``, so ``isinstance`` against torch's class holds too (see [Note: the
     install switch] in ``_install``), then ``cls``."""
-    torch_fsdp_module = torch_fsdp_module_class()
+    torch_fsdp_module = TorchFSDPModule.cls
     key = (cls, torch_fsdp_module)
     if key not in _FSDP_CLASSES:
         bases = (

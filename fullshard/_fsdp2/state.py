@@ -19,7 +19,23 @@ from .._engine.flat_param import HandleState
 from .._engine.runtime import TrainingState
 from .._engine.unit import Unit
 
-__all__ = ["ShardedModule", "enter", "leave", "post_forward", "pre_forward", "state_of"]
+__all__ = [
+    "ShardedModule",
+    "TorchFSDPModule",
+    "enter",
+    "leave",
+    "post_forward",
+    "pre_forward",
+    "state_of",
+]
+
+
+class TorchFSDPModule:
+    """torch's ``FSDPModule`` class while the install switch is on (``_install`` sets it):
+    the classes ``fully_shard`` gives modules then derive from it too."""
+
+    cls: type | None = None
+
 
 STATE_ATTR = "_fullshard_state"
 """Where a module ``fully_shard`` was applied to keeps its ``ShardedModule`` (its

@@ -61,6 +61,9 @@ def test_fullshard_install_env_var_swaps_every_home_at_startup() -> None:
     lines = on.stdout.splitlines()
     assert lines[-1] == "[]", on.stdout  # no home left with torch's name
     assert sum("fullshard serves torch.distributed.fsdp" in line for line in lines) == 1
+    # the start-up hook imports no torch (a launcher's own process pays nothing for it)
+    bare = _python("import sys; print('torch' in sys.modules)", {"FULLSHARD_INSTALL": "1"})
+    assert bare.stdout.strip() == "False", bare.stdout + bare.stderr
     off = _python(_HOMES_CHECK, {"FULLSHARD_INSTALL": "0"})
     assert off.returncode == 0, off.stderr
     assert "fsdp.fully_shard" in off.stdout.splitlines()[-1]
