@@ -124,6 +124,12 @@ class DTensorParams:
             for p, dim in zip(params, self.dims)
         ]
         """Per parameter, its tensor parallelism (see [Note: tensor-parallel parameters])."""
+        if post_forward_group is not None and any(self._tp):
+            raise NotImplementedError(
+                "Resharding to smaller mesh is not supported for DTensor parameters yet: "
+                "fully_shard(reshard_after_forward=<int>) on tensor-parallel parameters; "
+                "use reshard_after_forward=True or False"
+            )
         self._placements = [
             placements_for(mesh, dim) if tp is None else tp.placements
             for tp, dim in zip(self._tp, self.dims)

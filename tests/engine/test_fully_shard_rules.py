@@ -757,3 +757,20 @@ def test_sub_meshes_and_tensor_parallel_train_as_torch(
     (parameters then DTensors on both dims with torch's placements, _StridedShard included):
     the same losses and parameters as torch's FSDP2 (+ TP) on the same meshes."""
     run_on_ranks(4, _composed_as_torch, dims, shape, dp, tp)
+
+
+def _other_dims_kept_over_k_ranks() -> None:
+    from torch.distributed.tensor import Shard
+
+    from fullshard import fully_shard
+
+    with pytest.raises(NotImplementedError, match="reshard_after_forward as an int is not"):
+        fully_shard(
+            nn.Linear(4, 8), reshard_after_forward=2, shard_placement_fn=lambda p: Shard(p.ndim - 1)
+        )
+
+
+def test_reshard_to_k_ranks_with_other_shard_dims_is_refused() -> None:
+    """reshard_after_forward=2 on 4 ranks with parameters sharded on their last dim: a
+    NotImplementedError naming the alternatives, not a wrong post-forward shard."""
+    run_on_ranks(4, _other_dims_kept_over_k_ranks)
