@@ -32,6 +32,17 @@ class TorchAttributes:
         return self._unit.handle
 
     @property
+    def _has_params(self) -> bool:
+        """Whether the unit manages parameters (accelerate skips units without)."""
+        return self._unit.handle is not None
+
+    @property
+    def _flat_param(self) -> FlatParameter | None:
+        """The unit's (trainable) flat parameter, None for a unit without parameters."""
+        handle = self._unit.handle
+        return handle.flat_param if handle is not None else None
+
+    @property
     def _runtime(self) -> UnitRuntime:
         return self._unit.runtime
 

@@ -11,6 +11,8 @@ The folders mirror the package's layers (docs/architecture.md):
   behaviours torch's FSDP1 tests assert);
 - ``seeds/``: the ports of ../shared/seeds (torch's FSDP test files);
 - ``cli/``: the ``fullshard`` command, run as users run it;
+- ``stacks/``: training stacks (accelerate, ...) run unmodified through their own launchers
+  on torch's FSDP and on fullshard's (``FULLSHARD_INSTALL=1``), compared step by step;
 - ``support/``: the multi-rank harness, shared models (`models.py`: models, strategy lists),
   the DDP parity routine, and the harness's own tests.
 """

@@ -13,7 +13,7 @@ from torch import nn
 from . import init
 from .dtensor_params import DTensorParams
 from .flat_param import FlatParameter, FlatParamHandle
-from .names import FLAT_PARAM_NAMES, clean_fqn, flat_param_owner
+from .names import FLAT_PARAM_NAMES, clean_fqn, flat_param_owner, mark_managed
 from .settings import Settings
 from .unit import Unit, attach, unit_of, units_in
 
@@ -69,6 +69,7 @@ def build_unit(
         init.sync_module_states([p.detach() for p in params] + buffers, settings.groups)
     if params:
         unit.set_handle(_make_handle(unit, params, owners, fqns))
+    mark_managed(managed_modules)
     attach(unit, members)
     return unit
 

@@ -308,6 +308,25 @@ class FlatParamHandle(OrigParamViews, SummonViews, GradReduction):
         """Whether segment ``segment``'s flat parameter can take ``converted`` in place."""
         self._segments[segment].check_adoptable(converted, self.label)
 
+    def adopt_replaced_data(self) -> None:
+        """At the root's lazy init, adopt a flat parameter's ``.data`` replaced since wrapping
+        as its shard, as torch's lazy init does: accelerate upcasts low-precision flat
+        parameters that way (``flat_param.data = flat_param.data.float()``) before the first
+        forward. Without this the optimizer would step the new tensor while the all-gathers
+        read the old one."""
+        flat_params = self.flat_params
+        if all(_is_same_tensor(fp.data, fp._local_shard) for fp in flat_params):
+            return
+        for fp in flat_params:
+            if fp.data.shape != fp._local_shard.shape:
+                raise RuntimeError(
+                    f"the flat parameter of FSDP unit '{self.label}' was given data of shape "
+                    f"{tuple(fp.data.shape)} where its shard has {tuple(fp._local_shard.shape)}:"
+                    " replace a flat parameter's data only by a tensor of the shard's shape "
+                    "(a cast or a move)"
+                )
+        self.adopt_shards([fp.data for fp in flat_params], self.flat_param.grad)
+
     def adopt_shards(self, local_shards: list[torch.Tensor], grad: torch.Tensor | None) -> None:
         """Make ``local_shards`` (one per segment) and ``grad`` (``flat_param``'s) the shards
         after ``module.half()``, ``.to()``...
@@ -536,3 +555,12 @@ class FlatParamHandle(OrigParamViews, SummonViews, GradReduction):
     # backward. Only `use_orig_params=True` exposes the original parameters to optimizers.
 
     # -- summon_full_params -----------------------------------------------------------------
+
+
+def _is_same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.dtype == b.dtype
+        and a.device == b.device
+        and a.shape == b.shape
+    )

@@ -35,6 +35,7 @@ from .._comm import custom
 from .._comm.groups import ShardingGroups
 from .dim0_unsharded import Dim0Unsharded, PostForwardShard
 from .layout import Dim0Layout, FlatLayout, ShardPiece
+from .names import FSDP_FLATTENED
 
 __all__ = ["FlatParameter", "FlatSegment"]
 
@@ -61,6 +62,16 @@ class FlatParameter(nn.Parameter):
         flat_param._full_param_padded = full_param_padded
         flat_param._full_prec_full_param_padded = None
         return flat_param
+
+    def describe(self, layout: FlatLayout) -> None:
+        """torch's metadata that stacks read from a FlatParameter: the names (relative to
+        the wrapped module), shapes and sizes of the parameters it flattens, and the
+        ``_fsdp_flattened`` mark (see [Note: the marks torch leaves on managed modules and
+        flat parameters] in names.py). accelerate logs ``_fqns`` when it upcasts a unit."""
+        self._fqns = [slot.fqn for slot in layout.slots]
+        self._shapes = [slot.shape for slot in layout.slots]
+        self._numels = tuple(slot.numel for slot in layout.slots)
+        setattr(self, FSDP_FLATTENED, True)
 
 
 @dataclass
@@ -179,7 +190,9 @@ class FlatSegment:
                 local_shard = torch.cat([p.detach().reshape(-1) for p in params])
             local_shard = self._to_shard_device(local_shard)
         full_param_padded = torch.empty(0, dtype=local_shard.dtype, device=self.device)
-        return FlatParameter.from_shard(local_shard, full_param_padded, self.requires_grad)
+        flat_param = FlatParameter.from_shard(local_shard, full_param_padded, self.requires_grad)
+        flat_param.describe(layout)
+        return flat_param
 
     def _to_shard_device(self, tensor: torch.Tensor) -> torch.Tensor:
         if not self._offload_params or tensor.is_meta:
@@ -290,7 +303,8 @@ class FlatSegment:
         else:  # materialised from meta: same object (its holders keep it), new tensor
             requires_grad = self.flat_param.requires_grad
             new = FlatParameter(local_shard, requires_grad=requires_grad)
-            torch.utils.swap_tensors(self.flat_param, new)
+            torch.utils.swap_tensors(self.flat_param, new)  # attributes too: describe again
+            self.flat_param.describe(self.layout)
         self.flat_param._local_shard = local_shard
         for unsharded in self.buffers():
             if unsharded.hook is not None:

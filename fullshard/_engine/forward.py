@@ -40,6 +40,7 @@ def lazy_init(root: Unit) -> None:
         unit.runtime.is_root = unit is root
         if unit.handle is not None:
             unit.handle.label = fqn or "(root)"
+            unit.handle.adopt_replaced_data()
             unit.handle.init_optimizers_in_backward()
         unit.managed_buffers = [
             (module, name, buffer.dtype)

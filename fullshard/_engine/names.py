@@ -20,6 +20,28 @@ LOCAL state dicts, by segment: a unit mixing frozen and trainable parameters has
 frozen one (see [Note: frozen parameters] in flat_param.py)."""
 
 
+# [Note: the marks torch leaves on managed modules and flat parameters]
+# torch sets `_is_fsdp_managed_module` and `_fsdp_use_orig_params` on every module FSDP
+# manages (both APIs), and `_fsdp_flattened` on its flat parameters. Stacks read them:
+# transformers' `generate` turns on `synced_gpus` where a model is FSDP-managed (without it,
+# ranks that stop at different lengths hang), Lightning and torch's own init skip flattened
+# parameters, and dynamo treats managed modules as unspecialized (their parameters are graph
+# inputs, so views re-created each forward are not baked into the graph). fullshard's units
+# set them too. `_fsdp_use_orig_params` is True on fullshard's units with either setting:
+# its only reader is dynamo, where False refuses to compile a module (torch's FSDP1 cannot
+# be traced with flat parameters registered); fullshard's wrapper runs eagerly around the
+# compiled module with either setting (see [Note: torch.compile runs the wrapper eagerly]).
+MANAGED_MODULE_MARKS = {"_is_fsdp_managed_module": True, "_fsdp_use_orig_params": True}
+FSDP_FLATTENED = "_fsdp_flattened"
+
+
+def mark_managed(modules: list[nn.Module]) -> None:
+    """Leave torch's marks on the modules a unit manages (see the note above)."""
+    for module in modules:
+        for name, value in MANAGED_MODULE_MARKS.items():
+            setattr(module, name, value)
+
+
 def clean_fqn(name: str) -> str:
     """A name without the wrapper prefixes (FSDP's and activation checkpointing's): what the
     unwrapped, un-checkpointed model calls it."""

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import copy
 import enum
+import inspect
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -432,12 +434,77 @@ def optim_state_dict(
     if settings.state_dict_type == StateDictType.LOCAL_STATE_DICT:
         return optim_state_dict if optim_state_dict is not None else optim.state_dict()
     config = settings.optim_state_dict_config
+    full = settings.state_dict_type == StateDictType.FULL_STATE_DICT
+    if optim_state_dict is None and not full and not optim.state:
+        optim_state_dict = _unstepped_template(optim)
     return produce(
         model,
         optim,
         optim_state_dict,
-        full=settings.state_dict_type == StateDictType.FULL_STATE_DICT,
+        full=full,
         rank0_only=getattr(config, "rank0_only", False),
         offload_to_cpu=config.offload_to_cpu,
         group=group,
     )
+
+
+# [Note: the SHARDED state dict of an optimizer that has not stepped]
+# DCP loads into the dict it is given: only keys present there are read from the checkpoint.
+# Resuming builds that dict from a new optimizer (accelerate's FSDP1 `load_state`:
+# `FSDP.optim_state_dict(model, new_optimizer)`, then `dist_cp.load`), whose state is still
+# empty: torch's FSDP1 gives `{"state": {}}`, DCP reads no state, and training resumes with
+# fresh moments and no error (the resumed run diverges from the uninterrupted one from its
+# second step). fullshard's SHARDED dict of an optimizer with no state holds the state its
+# first step would create instead: a throwaway optimizer of the same class and
+# hyperparameters steps once over zero copies of the parameters with zero gradients, and its
+# state, with `step` set back to 0, is the template (for Adam-like optimizers, zero moments at
+# step 0 are exactly the fresh state; the user's optimizer is not touched). torch's DSD
+# (`get_optimizer_state_dict`) initialises the state for the same reason, by stepping the
+# user's optimizer itself with lr 0. FULL dicts are loaded from files whole and keep torch's
+# empty state.
+
+
+def _unstepped_template(optim: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """``optim.state_dict()`` as it would be after a first step that changed nothing (see
+    the note above); None where the optimizer cannot be rebuilt from its ``defaults``."""
+    inner = optim  # wrappers (accelerate's AcceleratedOptimizer) hold the optimizer
+    while isinstance(wrapped := getattr(inner, "optimizer", None), torch.optim.Optimizer):
+        inner = wrapped
+    shadow_groups = []
+    for group in inner.param_groups:
+        copies = [
+            torch.zeros_like(p.detach()).requires_grad_(p.requires_grad) for p in group["params"]
+        ]
+        for copy_ in copies:
+            if copy_.requires_grad and copy_.numel() > 0:  # no piece on this rank: no grad
+                copy_.grad = torch.zeros_like(copy_)
+        shadow_groups.append({**group, "params": copies})
+    try:
+        # the groups carry every hyperparameter; the constructor takes those it names
+        accepted = inspect.signature(type(inner)).parameters
+        defaults = {key: value for key, value in inner.defaults.items() if key in accepted}
+        shadow = type(inner)(shadow_groups, **defaults)
+        shadow.step()
+    except Exception as e:  # an optimizer whose constructor takes more than its defaults
+        warnings.warn(
+            f"FSDP.optim_state_dict: {type(inner).__name__} has no state yet and could not be "
+            f"rebuilt from its defaults to list the state it will hold ({e!r}); a DCP load into "
+            "this state dict will read no optimizer state. Step the optimizer once before "
+            "loading, or load a FULL_STATE_DICT optimizer checkpoint",
+            stacklevel=3,
+        )
+        return None
+    template = optim.state_dict()
+    shadow_params = [p for group in shadow.param_groups for p in group["params"]]
+    template["state"] = {
+        index: {key: _at_step_zero(key, value) for key, value in shadow.state[p].items()}
+        for index, p in enumerate(shadow_params)
+        if p in shadow.state
+    }
+    return template
+
+
+def _at_step_zero(key: str, value: Any) -> Any:
+    if key != "step":
+        return value
+    return torch.zeros_like(value) if isinstance(value, torch.Tensor) else 0

@@ -390,6 +390,49 @@ def test_sharded_optim_state_dict_reshards_with_dcp(
     run_on_ranks(loaded_on, _dcp_optim_reshard, path, False, ShardingStrategy.SHARD_GRAD_OP)
 
 
+def _resume_into_new_optimizer(
+    path: str, use_orig_params: bool, name: str, saved_after: int
+) -> None:
+    """Save after ``saved_after`` steps; resume as accelerate's FSDP1 ``load_state`` does:
+    a new model and a new optimizer (no state yet), the SHARDED optimizer dict of that
+    optimizer as DCP's load target, ``optim_state_dict_to_load``. The resumed steps equal the
+    uninterrupted run's (torch's FSDP1 leaves the state empty here: its template has none)."""
+    rank = dist.get_rank()
+    model = _wrap(ShardingStrategy.FULL_SHARD, use_orig_params)
+    optim = _optimizer(name, list(model.parameters()), no_state_group=False)
+    for step in range(saved_after):
+        _step(model, optim, rank, step)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        saved = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
+        dcp.save(saved, checkpoint_id=path)
+    uninterrupted = [_step(model, optim, rank, step) for step in range(saved_after, 4)]
+
+    model = _wrap(ShardingStrategy.FULL_SHARD, use_orig_params, seed=1)
+    optim = _optimizer(name, list(model.parameters()), no_state_group=False)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        target = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
+        assert not optim.state  # the template is built aside: the user's optimizer untouched
+        dcp.load(target, checkpoint_id=path)
+        model.load_state_dict(target["model"])
+        optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, target["optim"]))
+    resumed = [_step(model, optim, rank, step) for step in range(saved_after, 4)]
+    assert resumed == uninterrupted, (resumed, uninterrupted)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_sharded_optim_state_loads_into_an_optimizer_that_has_not_stepped(
+    use_orig_params: bool, name: str, tmp_path: Any
+) -> None:
+    run_on_ranks(2, _resume_into_new_optimizer, str(tmp_path / "a"), use_orig_params, name, 2)
+
+
+def test_an_unstepped_optimizer_saved_and_resumed_trains_as_a_fresh_one(tmp_path: Any) -> None:
+    """The template of an optimizer that has not stepped is its fresh state (Adam: zero
+    moments at step 0), so a checkpoint saved before the first step resumes exactly."""
+    run_on_ranks(2, _resume_into_new_optimizer, str(tmp_path / "a"), False, "adam", 0)
+
+
 def _errors() -> None:
     model = _wrap(ShardingStrategy.FULL_SHARD, use_orig_params=True)
     optim = _optimizer("adam", list(model.parameters()))
