@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
 from .._comm import collectives as comm
@@ -153,9 +154,12 @@ def load(
 def _full_value(
     source: Any, value: Any, rank0_only: bool, group: Any, device: torch.device
 ) -> torch.Tensor:
-    """The full tensor of one state: gathered (DTensor), broadcast (``rank0_only``) or as is."""
+    """The full tensor of one state: gathered (DTensor, ShardedTensor), broadcast
+    (``rank0_only``) or as is."""
     if isinstance(source, DTensor):
         return source.full_tensor()
+    if isinstance(source, ShardedTensor):
+        return _sharded_tensor_full(source, device)
     if not rank0_only:
         return source
     if dist.get_rank(group) == 0:
@@ -165,6 +169,24 @@ def _full_value(
     with comm.named("the broadcast of an optimizer state from rank 0", group):
         dist.broadcast(tensor, src=_global_rank0(group), group=group)
     return tensor
+
+
+def _sharded_tensor_full(source: ShardedTensor, device: torch.device) -> torch.Tensor:
+    """A ShardedTensor's full tensor. torch's ``load_sharded_optimizer_state_dict`` builds
+    them (Lightning's FSDP1 sharded load passes its result here): each rank places its local
+    shards, and one all-reduce over the tensor's group sums the disjoint pieces."""
+    full = torch.zeros(source.size(), dtype=source.dtype, device=device)
+    for shard in source.local_shards():
+        metadata = shard.metadata
+        where = tuple(
+            slice(offset, offset + size)
+            for offset, size in zip(metadata.shard_offsets, metadata.shard_sizes)
+        )
+        full[where].copy_(shard.tensor)
+    group = source._process_group
+    with comm.named("the gather of a ShardedTensor optimizer state", group):
+        dist.all_reduce(full, group=group)
+    return full
 
 
 def _load_tensor(

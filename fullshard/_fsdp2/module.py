@@ -32,16 +32,18 @@ once per class, and per state of the install switch)."""
 
 
 def fsdp_class(cls: type[nn.Module]) -> type[nn.Module]:
-    """``FSDP<cls>``: fullshard's ``FSDPModule`` first, then (with the install switch on)
-    torch's ``FSDPModule``, so ``isinstance`` against torch's class holds too (see [Note: the
-    install switch] in ``_install``), then ``cls``."""
+    """``FSDP<cls>``: fullshard's ``FSDPModule``, then ``cls``, and last (with the install
+    switch on) torch's ``FSDPModule``, so ``isinstance`` against torch's class holds too (see
+    [Note: the install switch] in ``_install``). Last, behind ``nn.Module``: no method of
+    torch's (its ``_apply``, which asks for torch's FSDP state) runs on fullshard's modules
+    through ``super()``."""
     torch_fsdp_module = TorchFSDPModule.cls
     key = (cls, torch_fsdp_module)
     if key not in _FSDP_CLASSES:
         bases = (
-            (FSDPModule, cls) if torch_fsdp_module is None else (FSDPModule, torch_fsdp_module, cls)
+            (FSDPModule, cls) if torch_fsdp_module is None else (FSDPModule, cls, torch_fsdp_module)
         )
-        _FSDP_CLASSES[key] = type(f"FSDP{cls.__name__}", bases, {"_orig_cls_mro_index": len(bases)})
+        _FSDP_CLASSES[key] = type(f"FSDP{cls.__name__}", bases, {"_orig_cls_mro_index": 2})
     return _FSDP_CLASSES[key]
 
 

@@ -433,6 +433,52 @@ def test_an_unstepped_optimizer_saved_and_resumed_trains_as_a_fresh_one(tmp_path
     run_on_ranks(2, _resume_into_new_optimizer, str(tmp_path / "a"), False, "adam", 0)
 
 
+def _sharded_tensor_load(path: str, save: bool, use_orig_params: bool) -> None:
+    """torch's documented FSDP1 sharded flow (Lightning's FSDP1 load): DCP saves the model's
+    and the optimizer's SHARDED dicts; ``load_sharded_optimizer_state_dict`` reads the
+    optimizer's back as ShardedTensors, which ``optim_state_dict_to_load`` takes."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+
+    rank = dist.get_rank()
+    model = _wrap(ShardingStrategy.FULL_SHARD, use_orig_params)
+    optim = _optimizer("adam", list(model.parameters()), no_state_group=False)
+    if save:
+        for step in range(2):
+            _step(model, optim, rank, step)
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            state = {"model": model.state_dict(), "optimizer": FSDP.optim_state_dict(model, optim)}
+            dcp.save(state, checkpoint_id=path)
+        full = FSDP.full_optim_state_dict(model, optim)
+        if rank == 0:
+            torch.save(full, f"{path}.expected.pt")
+        return
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        model_state = {"model": model.state_dict()}
+        dcp.load(model_state, checkpoint_id=path)
+        model.load_state_dict(model_state["model"])
+        loaded = load_sharded_optimizer_state_dict(
+            model_state_dict=model_state["model"],
+            optimizer_key="optimizer",
+            storage_reader=FileSystemReader(path),
+        )
+        osd = loaded["optimizer"]
+        assert any(
+            type(v).__name__ == "ShardedTensor" for s in osd["state"].values() for v in s.values()
+        )
+        optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, osd))
+    full = FSDP.full_optim_state_dict(model, optim)
+    if rank == 0:
+        _assert_same_named(full, torch.load(f"{path}.expected.pt", weights_only=True))
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_sharded_tensor_optimizer_state_loads(use_orig_params: bool, tmp_path: Any) -> None:
+    path = str(tmp_path / "ckpt")
+    run_on_ranks(2, _sharded_tensor_load, path, True, use_orig_params)
+    run_on_ranks(3, _sharded_tensor_load, path, False, use_orig_params)
+
+
 def _errors() -> None:
     model = _wrap(ShardingStrategy.FULL_SHARD, use_orig_params=True)
     optim = _optimizer("adam", list(model.parameters()))

@@ -104,6 +104,10 @@ def _install_in_python() -> None:
     assert isinstance(model, torch_fsdp_module) and isinstance(model, fullshard.FSDPModule)
     assert isinstance(model[0], torch_fsdp_module)
     assert type(model).__mro__[type(model)._orig_cls_mro_index] is nn.Sequential
+    # torch's class comes last, behind nn.Module: none of its methods runs through super()
+    # (its _apply asks for torch's FSDP state; Lightning moves modules with .to())
+    assert type(model).__mro__[-2:] == (torch_fsdp_module, object)
+    model.to(torch.device("cpu"))
     loss = model(torch.randn(3, 4)).sum()
     loss.backward()
     assert all(p.grad is not None for p in model.parameters())

@@ -35,7 +35,10 @@ LOCK = "/tmp/fullshard-ranks.lock"
 
 _ARGS = r"(?:[^()]|\([^()]*\))*"  # a call's arguments, with one level of nested parentheses
 _CUDA = r"[\"']cuda(?::\d+)?[\"']"  # the string "cuda" or "cuda:N"
-_CURRENT = r"torch\.(?:cuda\.current_device|accelerator\.current_device_index)\(\)"
+_CURRENT = (
+    r"torch\.(?:cuda\.current_device|accelerator\.current_device_index"
+    r"|get_device_module\([^()]*\)\.current_device)\(\)"
+)
 REWRITES: list[tuple[str, str, str]] = [
     # (pattern, replacement, what it does); applied in this order
     (
@@ -58,9 +61,9 @@ REWRITES: list[tuple[str, str, str]] = [
         "torch.device(device_type, 0) -> torch.device(device_type)",
     ),
     (
-        rf"torch\.device\(\s*[\w.]+\s*,\s*{_CURRENT}\)",
+        rf"torch\.device\(\s*[\w.]+\s*,\s*{_CURRENT}\s*\)",
         'torch.device("cpu")',
-        'torch.device(device_type, torch.accelerator.current_device_index()) -> torch.device("cpu")',
+        'torch.device(device_type, <current device index>) -> torch.device("cpu")',
     ),
     (
         _CURRENT,

@@ -222,7 +222,8 @@ def _cpu_plumbing(torch):
     """What the FSDP2 files call on the accelerator, made to work on a CPU-only host: pinned
     memory (CPUOffloadPolicy pins by default) is the tensor itself, a CPU stream synchronises
     at once, and torch.cpu.device_count() counts the ranks (world sizes are computed from
-    it). Nothing here touches an assertion."""
+    it), and the GPU sleep kernel that delays a stream does nothing. Nothing here touches
+    an assertion."""
     if torch.accelerator.is_available():
         return
     torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
@@ -232,6 +233,9 @@ def _cpu_plumbing(torch):
     if stream is not None:
         stream.synchronize = lambda self: None
         stream.wait_stream = lambda self, other: None
+    # torch.cuda._sleep(cycles) spins a GPU stream to delay it (the overlap and parity tests
+    # use it to shift timing); a CPU has no streams to delay
+    torch.cpu._sleep = lambda cycles: None
     _cuda_like_cpu_autocast(torch)
 
 
@@ -254,6 +258,9 @@ def _patch_common_utils(module):
     import torch
 
     _cpu_plumbing(torch)
+    if not torch.accelerator.is_available():
+        # measured with CUDA events; the cycles only feed _sleep (a no-op here)
+        module.get_cycles_per_ms = lambda *args, **kwargs: 1.0
 
 
 # --- the import hook ---------------------------------------------------------------------------

@@ -9,6 +9,10 @@ applied right after its module executes (an import hook), and each only chooses 
   training with DDP. Here such a job keeps ``FSDP`` with its plugin (from the script or from
   ``accelerate launch``'s config, as on GPUs), on gloo, with the device ``cpu`` (accelerate
   picks ``cpu:<local rank>``, which torch's FSDP1 refuses as inconsistent with ``cpu``).
+- Lightning (``lightning.fabric.connector``, ``lightning.pytorch.trainer.connectors.
+  accelerator_connector``): ``FSDPStrategy`` with ``accelerator="cpu"`` is refused ("FSDP is
+  only available on GPU") before anything runs; here the check sees a GPU flag, and the
+  CPU accelerator stays.
 """
 
 from __future__ import annotations
@@ -72,8 +76,34 @@ def _patch_accelerate_state(m: ModuleType) -> None:
     m.AcceleratorState.__init__ = __init__
 
 
+def _lightning_connector(class_name: str) -> Callable[[ModuleType], None]:
+    def patch(m: ModuleType) -> None:
+        import torch
+
+        connector = getattr(m, class_name)
+        check = connector._check_strategy_and_fallback
+
+        def _check_strategy_and_fallback(self: Any) -> None:
+            flag = self._accelerator_flag
+            if flag != "cpu" or torch.accelerator.is_available():
+                return check(self)
+            self._accelerator_flag = "gpu"  # for the GPU-only FSDP check alone
+            try:
+                check(self)
+            finally:
+                self._accelerator_flag = flag
+
+        connector._check_strategy_and_fallback = _check_strategy_and_fallback
+
+    return patch
+
+
 _PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "accelerate.state": _patch_accelerate_state,
+    "lightning.fabric.connector": _lightning_connector("_Connector"),
+    "lightning.pytorch.trainer.connectors.accelerator_connector": _lightning_connector(
+        "_AcceleratorConnector"
+    ),
 }
 
 
