@@ -13,6 +13,8 @@ applied right after its module executes (an import hook), and each only chooses 
   accelerator_connector``): ``FSDPStrategy`` with ``accelerator="cpu"`` is refused ("FSDP is
   only available on GPU") before anything runs; here the check sees a GPU flag, and the
   CPU accelerator stays.
+- torchtitan (``torchtitan.tools.utils``): its device is the available accelerator "or
+  cuda"; here, without one, it is the CPU.
 """
 
 from __future__ import annotations
@@ -98,7 +100,16 @@ def _lightning_connector(class_name: str) -> Callable[[ModuleType], None]:
     return patch
 
 
+def _patch_torchtitan_utils(m: ModuleType) -> None:
+    import torch
+
+    if not torch.accelerator.is_available():
+        m.device_type, m.device_module = "cpu", torch.cpu
+        m.get_device_info = lambda: ("cpu", torch.cpu)
+
+
 _PATCHES: dict[str, Callable[[ModuleType], None]] = {
+    "torchtitan.tools.utils": _patch_torchtitan_utils,
     "accelerate.state": _patch_accelerate_state,
     "lightning.fabric.connector": _lightning_connector("_Connector"),
     "lightning.pytorch.trainer.connectors.accelerator_connector": _lightning_connector(
