@@ -146,3 +146,28 @@ def test_flat_parameters_upcast_before_the_first_forward_train_as_on_torch() -> 
     for our, their in zip(ours, theirs):
         torch.testing.assert_close(our, their, rtol=1e-5, atol=0)
         assert our[0] != our[-1]
+
+
+def _misuses() -> None:
+    from fullshard import StateDictType
+
+    model = FSDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+    model._flat_param.data = torch.zeros(3)
+    with pytest.raises(RuntimeError, match=r"was given data of shape \(3,\) where its shard has"):
+        model(torch.randn(2, 4))
+
+    class NeedsMore(torch.optim.SGD):
+        def __init__(self, params: Any, extra: int, lr: float = 0.1) -> None:
+            super().__init__(params, lr=lr)
+
+    model = FSDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+    optim = NeedsMore(model.parameters(), 1)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        with pytest.warns(UserWarning, match="NeedsMore has no state yet and could not be rebuilt"):
+            osd = FSDP.optim_state_dict(model, optim)
+    assert osd["state"] == {}  # torch's dict: no state to list
+
+
+def test_misuses_of_what_stacks_touch() -> None:
+    """Rows 150 and 151 of docs/misuse.md."""
+    run_on_ranks(2, _misuses)
