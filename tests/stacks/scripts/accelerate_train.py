@@ -72,6 +72,7 @@ def main() -> None:
         if args.save and step + 1 == SAVE_AFTER:
             accelerator.save_state(args.save)
     report.write(args.out, losses, model, distributed_type=str(accelerator.distributed_type))
+    report.finish()
 
 
 if __name__ == "__main__":

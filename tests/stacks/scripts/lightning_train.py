@@ -157,6 +157,7 @@ def main() -> None:
     parser.add_argument("--resume")
     args = parser.parse_args()
     (run_fabric if args.api == "fabric" else run_trainer)(args)
+    report.finish()
 
 
 if __name__ == "__main__":

@@ -38,3 +38,13 @@ def write(out: str, losses: list[float], model: nn.Module, **extra: Any) -> None
     }
     Path(out).mkdir(parents=True, exist_ok=True)
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def finish() -> None:
+    """End the run as torch recommends: destroy the process group before exit. A gloo worker
+    thread that drops the last reference to a tensor while the interpreter finalizes aborts
+    the process ("terminate called without an active exception"; torch's, see
+    pytorch/pytorch#179291), and the stacks do not destroy their group themselves."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -104,7 +104,7 @@ def main() -> None:
         optimizer.zero_grad()
         losses.append(loss.item() * world_size)
     report.write(args.out, losses, model)
-    dist.destroy_process_group()
+    report.finish()
 
 
 if __name__ == "__main__":

@@ -82,6 +82,7 @@ def main() -> None:
         trainer.model_wrapped,
         distributed_type=str(trainer.accelerator.distributed_type),
     )
+    report.finish()
 
 
 if __name__ == "__main__":

@@ -85,6 +85,7 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=args.resume)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     report.write(args.out, losses, trainer.model_wrapped)
+    report.finish()
 
 
 if __name__ == "__main__":
