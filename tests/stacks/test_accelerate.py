@@ -99,6 +99,8 @@ def test_accelerate_trains_and_resumes_on_fullshard_as_on_torch(case: str, tmp_p
 
     torch_run = _launch(config, tmp_path / "torch", False)
     check_served(torch_run, fullshard=False)
+    with pytest.raises(AssertionError, match="units not fullshard"):
+        check_served(torch_run, fullshard=True)  # a run on torch's FSDP is told apart
     ours = _launch(config, tmp_path / "fullshard", True, "--save", str(tmp_path / "ckpt"))
     check_served(ours, fullshard=True)
     assert_losses_close(ours, torch_run, rtol=1e-5)

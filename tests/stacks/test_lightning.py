@@ -44,6 +44,8 @@ def _launch(out: Path, fullshard: bool, api: str, strategy: str, *extra: str) ->
 def test_lightning_trains_and_resumes_on_fullshard(api: str, strategy: str, tmp_path: Path) -> None:
     if strategy == "fsdp":
         reference = _launch(tmp_path / "ddp", False, api, "ddp")
+        with pytest.raises(AssertionError, match="has no FSDP unit"):
+            check_served(reference, fullshard=True)  # a fall back to DDP is told apart
     else:
         reference = _launch(tmp_path / "torch", False, api, strategy)
         check_served(reference, fullshard=False)
