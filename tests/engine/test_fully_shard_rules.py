@@ -690,9 +690,7 @@ def test_the_public_surface_is_torchs() -> None:
 # -- sub-meshes and tensor parallel ----------------------------------------------------------
 
 
-def _train_on(
-    api: str, mesh: Any, tp_mesh: Any
-) -> tuple[list[float], list[torch.Tensor], list[Any]]:
+def _build_on(api: str, mesh: Any, tp_mesh: Any, seed: int = 0) -> nn.Module:
     """Two blocks (tensor parallel over ``tp_mesh`` first, if given), then ``fully_shard``
     over ``mesh``."""
     from torch.distributed.tensor.parallel import (
@@ -701,7 +699,7 @@ def _train_on(
         parallelize_module,
     )
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     dim = 6  # the hidden width, 18, splits over 2 TP ranks (torch's TP needs it)
     model = nn.Sequential(
         nn.Sequential(nn.Linear(dim, 3 * dim), nn.ReLU(), nn.Linear(3 * dim, dim)),
@@ -713,17 +711,29 @@ def _train_on(
             parallelize_module(block, tp_mesh, plan)
         _fully_shard(api)(block, mesh=mesh)
     _fully_shard(api)(model, mesh=mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model
+
+
+def _steps(model: nn.Module, optim: torch.optim.Optimizer, mesh: Any, steps: range) -> list[float]:
     losses = []
     data_rank = mesh.get_local_rank(mesh.ndim - 1)
-    for step in range(4):
+    for step in steps:
         generator = torch.Generator().manual_seed(100 * step + data_rank)
-        loss = model(torch.randn(4, dim, generator=generator)).pow(2).mean()
+        loss = model(torch.randn(4, 6, generator=generator)).pow(2).mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optim.step()
         optim.zero_grad()
         losses.append(loss.item())
+    return losses
+
+
+def _train_on(
+    api: str, mesh: Any, tp_mesh: Any
+) -> tuple[list[float], list[torch.Tensor], list[Any]]:
+    model = _build_on(api, mesh, tp_mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = _steps(model, optim, mesh, range(4))
     placements = [(p.device_mesh.mesh_dim_names, p.placements) for p in model.parameters()]
     return losses, [_full(p) for p in model.parameters()], placements
 
@@ -757,6 +767,47 @@ def test_sub_meshes_and_tensor_parallel_train_as_torch(
     (parameters then DTensors on both dims with torch's placements, _StridedShard included):
     the same losses and parameters as torch's FSDP2 (+ TP) on the same meshes."""
     run_on_ranks(4, _composed_as_torch, dims, shape, dp, tp)
+
+
+def _checkpoint_interchange(path: str, saver: str, loader: str) -> None:
+    """``saver``'s FSDP2 + TP trains 2 steps and saves model and optimizer through torch's
+    ``get_state_dict`` and DCP; ``loader``'s, built from other weights, loads them with
+    ``set_state_dict``; both train 2 more steps to the same losses and parameters."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh, tp_mesh = world["dp"], world["tp"]
+    first = _build_on(saver, mesh, tp_mesh)
+    first_optim = torch.optim.AdamW(first.parameters(), lr=1e-2)
+    _steps(first, first_optim, mesh, range(2))
+    model_state, optim_state = get_state_dict(first, first_optim)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    expected = _steps(first, first_optim, mesh, range(2, 4))
+
+    second = _build_on(loader, mesh, tp_mesh, seed=1)
+    second_optim = torch.optim.AdamW(second.parameters(), lr=1e-2)
+    model_state, optim_state = get_state_dict(second, second_optim)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(
+        second, second_optim, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    assert _steps(second, second_optim, mesh, range(2, 4)) == pytest.approx(expected, rel=1e-5)
+    for mine, theirs in zip(second.parameters(), first.parameters()):
+        torch.testing.assert_close(_full(mine), _full(theirs), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("saver", "loader"), [("torch", "fullshard"), ("fullshard", "torch")], ids=lambda a: a
+)
+def test_tensor_parallel_checkpoints_interchange_with_torch(
+    saver: str, loader: str, tmp_path: Any
+) -> None:
+    """On a (dp 2, tp 2) mesh: a checkpoint torch's FSDP2 + TP writes resumes on
+    fullshard's, and the reverse, each continuing as the run that saved it."""
+    run_on_ranks(4, _checkpoint_interchange, str(tmp_path / "ckpt"), saver, loader)
 
 
 def _other_dims_kept_over_k_ranks() -> None:
