@@ -945,16 +945,20 @@ def _llama_parity(tied: bool) -> None:
     # one process, no parallelism: the mean loss of both data-parallel batches
     reference = _Llama(tied)
     optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    data_rank = dist.get_rank() // 2  # the (dp, tp) mesh's row
+    reference_losses = []
     for step in range(steps):
         losses = [_llama_loss(reference, _llama_tokens(step, r)) for r in range(2)]
-        loss = (losses[0] + losses[1]) / 2
-        loss.backward()
+        reference_losses.append(losses[data_rank].item())
+        ((losses[0] + losses[1]) / 2).backward()
         optim.step()
         optim.zero_grad()
+    assert ours[0] == pytest.approx(reference_losses, rel=1e-5), (ours[0], reference_losses)
     for mine, their, ref in zip(ours[1], theirs[1], reference.parameters()):
         torch.testing.assert_close(mine, their, rtol=1e-5, atol=1e-6)
-        # summation order differs from one process: Adam turns it into ~1e-6 moves
-        torch.testing.assert_close(mine, ref.detach(), rtol=1e-5, atol=1e-5)
+        # the summation order differs from one process's, and Adam normalises a gradient
+        # near 0 into a full step: ~1e-5 moves where torch's FSDP2 + TP moves the same
+        torch.testing.assert_close(mine, ref.detach(), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

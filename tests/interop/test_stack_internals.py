@@ -162,9 +162,12 @@ def _misuses() -> None:
 
     model = FSDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
     optim = NeedsMore(model.parameters(), 1)
-    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        with pytest.warns(UserWarning, match="NeedsMore has no state yet and could not be rebuilt"):
-            osd = FSDP.optim_state_dict(model, optim)
+    rebuild_failed = "NeedsMore has no state yet and could not be rebuilt"
+    with (
+        FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT),
+        pytest.warns(UserWarning, match=rebuild_failed),
+    ):
+        osd = FSDP.optim_state_dict(model, optim)
     assert osd["state"] == {}  # torch's dict: no state to list
 
 
