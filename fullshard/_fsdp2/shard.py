@@ -138,9 +138,7 @@ def _settings(
     with warnings.catch_warnings():  # FSDP1's warning on one rank; torch's fully_shard has none
         warnings.filterwarnings("ignore", message="FSDP is switching to use `NO_SHARD`")
         settings = _resolve(groups, strategy, mp_policy, offload_policy, ignored_params, mesh)
-    shard_dim = _shard_dims(
-        target, shard_placement_fn, settings.ignored_params, mesh.size(mesh.ndim - 1)
-    )
+    shard_dim = _shard_dims(target, shard_placement_fn, settings.ignored_params, mesh)
     return dataclasses.replace(
         settings,
         dtensor_mesh=mesh,
@@ -408,19 +406,22 @@ def _shard_dims(
     module: nn.Module,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
     ignored: tuple[nn.Parameter, ...],
-    num_shards: int,
+    mesh: DeviceMesh,
 ) -> Callable[[nn.Parameter], int] | None:
     """The dim ``shard_placement_fn`` shards each parameter this call manages on (None for
     every parameter on dim 0), checked: a ``Shard`` of one of the parameter's dims, which
-    splits evenly over the ``num_shards`` ranks unless it is dim 0 (as torch requires)."""
+    splits evenly over the mesh's shard ranks unless it is dim 0 (as torch requires)."""
     if shard_placement_fn is None:
         return None
+    num_shards = mesh.size(mesh.ndim - 1)
     skipped = {id(p) for p in ignored}
     dims: dict[int, int] = {}
     for name, param in module.named_parameters():
         if id(param) in skipped or sharded_by_a_unit(param):  # ignored, or a nested call's
             continue
         placement = shard_placement_fn(param)
+        if hasattr(placement, "mesh_info"):  # torch 2.13's ShardPlacementResult
+            placement = _placement_on_call_mesh(placement, mesh, name)
         if placement is None:
             continue
         if type(placement) is not Shard:
@@ -443,6 +444,31 @@ def _shard_dims(
             )
         dims[id(param)] = dim
     return lambda param: dims.get(id(param), 0)
+
+
+def _placement_on_call_mesh(result: Any, mesh: DeviceMesh, name: str) -> Shard | None:
+    """The placement of torch 2.13's ``ShardPlacementResult`` (a placement and a mesh) when
+    its mesh is the call's own, sharded and replicated over the same dims as the call's.
+    One ``fully_shard`` call shards all its parameters over one mesh in fullshard: a result
+    naming another mesh (expert parallel over per-parameter meshes in one call) raises
+    rather than shard that parameter over the wrong ranks."""
+    info = result.mesh_info
+    replicate_dim = 0 if mesh.ndim == 2 else None
+    same = (
+        info.mesh == mesh
+        and info.shard_mesh_dim == mesh.ndim - 1
+        and getattr(info, "replicate_mesh_dim", None) == replicate_dim
+    )
+    if not same:
+        raise NotImplementedError(
+            f"shard_placement_fn returned a ShardPlacementResult for parameter '{name}' on "
+            f"mesh {info.mesh} (shard dim {info.shard_mesh_dim}), not the fully_shard call's "
+            f"mesh {mesh}: per-parameter meshes in one fully_shard call (expert parallel) are "
+            "not implemented by fullshard yet. Apply fully_shard to the module holding those "
+            "parameters first, with that mesh (e.g. fully_shard(block.moe.experts, "
+            "mesh=expert_dp_mesh)), then to the enclosing module with the data-parallel mesh"
+        )
+    return result.placement
 
 
 def _mixed_precision(policy: MixedPrecisionPolicy) -> MixedPrecision | None:

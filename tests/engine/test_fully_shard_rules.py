@@ -827,6 +827,43 @@ def test_reshard_to_k_ranks_with_other_shard_dims_is_refused() -> None:
     run_on_ranks(4, _other_dims_kept_over_k_ranks)
 
 
+def _placement_results() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        ShardPlacementResult,
+    )
+    from torch.distributed.tensor import Shard
+
+    from fullshard import fully_shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    # torch 2.13's result type on the call's own mesh: its placement is used
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    own = ShardPlacementResult(Shard(1), FSDPMeshInfo(mesh, shard_mesh_dim=0))
+    fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: own if p.ndim == 2 else None)
+    assert model[0].weight.placements == (Shard(1),) and model[0].bias.placements == (Shard(0),)
+    assert model[0].weight.to_local().shape == (6, 2)
+    # on another mesh (expert parallel in one call): refused, naming the parameter
+    other = init_device_mesh("cpu", (2, 1), mesh_dim_names=("ep", "edp"))["edp"]
+    elsewhere = ShardPlacementResult(Shard(0), FSDPMeshInfo(other, shard_mesh_dim=0))
+    experts = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises(NotImplementedError, match=r"'1\.weight' on mesh .* per-parameter meshes"):
+        fully_shard(
+            experts,
+            mesh=mesh,
+            shard_placement_fn=lambda p: elsewhere if p is experts[1].weight else None,
+        )
+
+
+def test_shard_placement_results_on_the_call_mesh_are_used_and_other_meshes_refused() -> None:
+    """torch 2.13's ``ShardPlacementResult`` from ``shard_placement_fn``: its placement is
+    honoured on the call's mesh; on another mesh (per-parameter meshes, expert parallel) a
+    NotImplementedError naming the parameter and the alternative, not a shard over the
+    wrong ranks (before: a ValueError calling the result an invalid placement)."""
+    run_on_ranks(2, _placement_results)
+
+
 class _Attention(nn.Module):
     """Causal self-attention whose projections tensor parallel splits by heads: the head
     count is what the local width holds (all heads unsplit, half of them on each of 2 TP
