@@ -49,6 +49,7 @@ __all__ = [
     "communication_bytes",
     "estimate",
     "gpt_activations",
+    "tensor_parallel_bytes",
     "transformer_activations",
 ]
 
@@ -308,6 +309,7 @@ def transformer_activations(
     *,
     gated_mlp: bool = False,
     checkpointed: bool = False,
+    tp: int = 1,
 ) -> int:
     """Bytes autograd saves for backward in a pre-norm decoder with fused (flash) attention,
     no activation checkpointing, plus one block's gradient workspace. Per block, with
@@ -316,12 +318,47 @@ def transformer_activations(
     residual sums) and the MLP's hidden tensors, 2 of ``N * ffn`` (before and after the
     activation; 3 with a gated MLP). The logits and their softmax, ``N * vocab`` each. With
     ``checkpointed`` (activation checkpointing per block) a block keeps only its input and
-    one block's tensors exist at a time, while it is recomputed."""
+    one block's tensors exist at a time, while it is recomputed.
+
+    With ``tp`` tensor-parallel ranks (torchtitan's plan: sequence parallel around the
+    norms, heads and MLP columns split, loss parallel) every tensor is split ``tp`` ways
+    except the two all-gathered inputs of the attention and MLP input projections, which
+    autograd saves whole (2 of the 11)."""
     tokens = batch * seq_len
-    per_block = 11 * tokens * d_model + (3 if gated_mlp else 2) * tokens * ffn
-    saved = n_layers * (tokens * d_model if checkpointed else per_block)
-    logits = 2 * tokens * vocab
+    split = 9 if tp > 1 else 11
+    whole = 11 - split
+    hidden = (3 if gated_mlp else 2) * tokens * ffn
+    per_block = whole * tokens * d_model + _ceil_div(split * tokens * d_model + hidden, tp)
+    kept = _ceil_div(tokens * d_model, tp)
+    saved = n_layers * (kept if checkpointed else per_block)
+    logits = _ceil_div(2 * tokens * vocab, tp)
     return (saved + per_block + logits) * bytes_
+
+
+def tensor_parallel_bytes(
+    batch: int,
+    seq_len: int,
+    d_model: int,
+    n_layers: int,
+    bytes_: int,
+    tp: int,
+    *,
+    checkpointed: bool = False,
+) -> int:
+    """Bytes one rank sends per step for ``tp``-way tensor parallelism with sequence
+    parallel (torchtitan's plan; ring estimate): per block an all-gather before the
+    attention and the MLP and a reduce-scatter after each in forward, the transposes in
+    backward (8 collectives of ``batch * seq_len * d_model`` elements, 12 when activation
+    checkpointing recomputes the forward), and 4 around the embedding and the head; each
+    sends ``(tp - 1) / tp`` of the tensor."""
+    if tp == 1:
+        return 0
+    collectives = (12 if checkpointed else 8) * n_layers + 4
+    return int(collectives * batch * seq_len * d_model * bytes_ * (tp - 1) / tp)
+
+
+def _ceil_div(num: int, den: int) -> int:
+    return -(-num // den)
 
 
 def gpt_activations(

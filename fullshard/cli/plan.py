@@ -11,7 +11,13 @@ one FSDP unit per transformer block, the embeddings, final norm and head in the 
 SHARD_GRAD_OP's, and either with ``--shard-group-size`` (a 2-D (replicate, shard) mesh)
 HYBRID_SHARD's or _HYBRID_SHARD_ZERO2's (see [Note: FSDP2's memory in the plan]); an int
 ``k`` is FULL_SHARD's (HYBRID_SHARD's) plus every unit's parameters kept sharded over ``k``
-ranks from forward to backward, whose all-gathers then run within those ranks.
+ranks from forward to backward, whose all-gathers then run within those ranks. ``--tp T``
+(with fsdp2) plans tensor parallelism over T ranks inside each data-parallel rank, as
+torchtitan composes it (``parallelize_module`` with sequence parallel, then
+``fully_shard(block, mesh=world_mesh["dp"])``): each block and the root hold their
+tensor-parallel piece, which ``fully_shard`` shards over the ``world_size / T``
+data-parallel ranks; activations split T ways (see `transformer_activations`), and the
+tensor-parallel traffic is its own row.
 
 Pure arithmetic, no torch: a 70B model on 512 GPUs is answered in well under a second.
 """
@@ -31,6 +37,7 @@ from ..memory import (
     MemoryEstimate,
     communication_bytes,
     estimate,
+    tensor_parallel_bytes,
     transformer_activations,
 )
 from . import reshard_flag
@@ -87,6 +94,12 @@ _FSDP2_STRATEGIES = {
 # reshard_after_forward=k adds every unit's parameters over k ranks (and, on CPU, the k-group's
 # file). 4 CPU ranks, the comm model, 2 runs: medians 922 (k=2) and 710 MiB (True) per rank,
 # 212 apart; the model: 766 and 542 MiB, 224 apart (totals 17% and 24% under, as above).
+_TP_NOTES = (
+    "tensor parallel as torchtitan plans it: q, k, v and the MLP's input matrices split by "
+    "column, the output matrices by row, norms replicated, sequence parallel between blocks, "
+    "the embedding and an untied head split by vocabulary; fully_shard shards each rank's "
+    "piece over the data-parallel ranks of its column of the (dp, tp) mesh",
+)
 _FSDP2_NOTES = (
     "fully_shard runs fullshard's FSDP1 engine with parameters split on dim 0: this is the "
     "memory model of the FSDP1 strategy named above",
@@ -129,6 +142,16 @@ class PlanResult:
     post_forward_shards: int | None = None
     """fully_shard's ``reshard_after_forward=k``: the ranks parameters stay sharded over
     between forward and backward (None: True or False)."""
+    tp: int = 1
+    """Tensor-parallel ranks inside each data-parallel rank (``world_size / tp`` of those)."""
+    tp_comm_bytes_per_step: int = 0
+    """Bytes each rank sends per step for tensor parallelism (``comm_bytes_per_step`` is
+    FSDP's, over the data-parallel ranks)."""
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel ranks ``fully_shard`` shards (and replicates) over."""
+        return self.world_size // self.tp
 
     @property
     def device_total(self) -> int:
@@ -159,22 +182,29 @@ def make_plan(
     device: str = "cuda",
     api: str = "fsdp1",
     post_forward_shards: int | None = None,
+    tp: int = 1,
 ) -> PlanResult:
     """Per-rank memory and communication of training ``shape`` (see the module docstring).
-    With ``api="fsdp2"``, ``strategy`` is the one `fsdp2_strategy` names, and
-    ``post_forward_shards`` is ``reshard_after_forward=k``'s ``k``."""
+    With ``api="fsdp2"``, ``strategy`` is the one `fsdp2_strategy` names,
+    ``post_forward_shards`` is ``reshard_after_forward=k``'s ``k``, and ``tp`` the
+    tensor-parallel ranks inside each data-parallel rank (``shard_group_size`` then counts
+    data-parallel ranks)."""
     _check_api(api, strategy, post_forward_shards)
+    _check_tp(shape, world_size, tp, api)
     param_bytes = _DTYPE_BYTES[param_dtype]
     compute_dtype = param_dtype if mixed_precision == "none" else mixed_precision
     compute_bytes = _DTYPE_BYTES[compute_dtype]
     seq_len = seq_len or shape.seq_len
-    group = shard_group_size or world_size
-    activations = _activations(shape, batch, seq_len, compute_bytes, activation_checkpointing)
+    dp = world_size // tp
+    group = shard_group_size or dp
+    unit = shape.unit_numel_per_tp_rank(tp)
+    root = shape.root_numel_per_tp_rank(tp)
+    activations = _activations(shape, batch, seq_len, compute_bytes, activation_checkpointing, tp)
     resident = estimate(
-        [shape.unit_numel] * shape.n_layers,
-        world_size,
+        [unit] * shape.n_layers,
+        dp,
         strategy,
-        root_numel=shape.root_numel,
+        root_numel=root,
         param_bytes=param_bytes,
         compute_bytes=compute_bytes,
         optim_states_per_param=_OPTIMIZER_STATES[optimizer],
@@ -189,7 +219,7 @@ def make_plan(
         shape,
         world_size,
         strategy,
-        group if strategy in _HYBRID else world_size,
+        group if strategy in _HYBRID else dp,
         param_dtype,
         compute_dtype,
         cpu_offload,
@@ -197,11 +227,29 @@ def make_plan(
         seq_len,
         memory,
         host,
-        _comm_bytes(shape, world_size, strategy, compute_bytes, group, post_forward_shards),
+        communication_bytes(
+            [unit] * shape.n_layers,
+            dp,
+            strategy,
+            root_numel=root,
+            compute_bytes=compute_bytes,
+            shard_group_size=group,
+            post_forward_shards=post_forward_shards,
+        ),
         device,
         api,
-        _FSDP2_NOTES if api == "fsdp2" else (),
+        (_FSDP2_NOTES + (_TP_NOTES if tp > 1 else ())) if api == "fsdp2" else (),
         post_forward_shards,
+        tp,
+        tensor_parallel_bytes(
+            batch,
+            seq_len,
+            shape.d_model,
+            shape.n_layers,
+            compute_bytes,
+            tp,
+            checkpointed=activation_checkpointing,
+        ),
     )
 
 
@@ -218,8 +266,20 @@ def _check_api(api: str, strategy: str, post_forward_shards: int | None) -> None
         raise ValueError("post_forward_shards is fully_shard's reshard_after_forward=k")
 
 
+def _check_tp(shape: ModelShape, world_size: int, tp: int, api: str) -> None:
+    if tp == 1:
+        return
+    if api != "fsdp2":
+        raise ValueError("tp composes with fully_shard (api='fsdp2')")
+    if tp < 1 or world_size % tp:
+        raise ValueError(f"world_size {world_size} is not a multiple of tp {tp}")
+    problem = shape.tp_problem(tp)
+    if problem:
+        raise ValueError(problem)
+
+
 def _activations(
-    shape: ModelShape, batch: int, seq_len: int, compute_bytes: int, checkpointed: bool
+    shape: ModelShape, batch: int, seq_len: int, compute_bytes: int, checkpointed: bool, tp: int
 ) -> int:
     """Activation bytes per rank of ``shape``'s blocks (`transformer_activations`)."""
     return transformer_activations(
@@ -232,26 +292,7 @@ def _activations(
         compute_bytes,
         gated_mlp=shape.gated_mlp,
         checkpointed=checkpointed,
-    )
-
-
-def _comm_bytes(
-    shape: ModelShape,
-    world_size: int,
-    strategy: str,
-    compute_bytes: int,
-    shard_group_size: int,
-    post_forward_shards: int | None,
-) -> int:
-    """Bytes each rank sends per step (a ring estimate)."""
-    return communication_bytes(
-        [shape.unit_numel] * shape.n_layers,
-        world_size,
-        strategy,
-        root_numel=shape.root_numel,
-        compute_bytes=compute_bytes,
-        shard_group_size=shard_group_size,
-        post_forward_shards=post_forward_shards,
+        tp=tp,
     )
 
 
@@ -276,7 +317,7 @@ def parse_bytes(text: str) -> int:
 
 def _setup_line(plan: PlanResult) -> str:
     """The sharding, precision and offload, in the names of the plan's API."""
-    replicas = plan.world_size // plan.shard_group_size
+    replicas = plan.dp_size // plan.shard_group_size
     batch = f"batch {plan.batch} x {plan.seq_len} tokens per rank"
     if plan.api == "fsdp1":
         hybrid = ""
@@ -290,6 +331,14 @@ def _setup_line(plan: PlanResult) -> str:
     mesh = f"1-D mesh ({plan.world_size},)"
     if plan.strategy in _HYBRID:
         mesh = f"2-D mesh (replicate {replicas}, shard {plan.shard_group_size})"
+    if plan.tp > 1:
+        dims = f"dp {plan.dp_size}"
+        if plan.strategy in _HYBRID:
+            dims = f"dp_replicate {replicas}, dp_shard {plan.shard_group_size}"
+        mesh = (
+            f"sub-mesh of the {'3' if plan.strategy in _HYBRID else '2'}-D mesh ({dims}, "
+            f"tp {plan.tp}), after parallelize_module over tp {plan.tp}"
+        )
     policy = "MixedPrecisionPolicy()"
     if plan.compute_dtype != plan.param_dtype:
         policy = f"MixedPrecisionPolicy(param_dtype={plan.compute_dtype})"
@@ -312,7 +361,13 @@ def format_plan(plan: PlanResult, device_memory: int | None = None) -> str:
     lines = [
         f"model: {shape.name}: {human_count(shape.params)} parameters, {shape.n_layers} blocks "
         f"of {human_count(shape.unit_numel)} (one FSDP unit each), root unit "
-        f"{human_count(shape.root_numel)}",
+        f"{human_count(shape.root_numel)}"
+        + (
+            f"; per tensor-parallel rank (tp {plan.tp}) {human_count(shape.unit_numel_per_tp_rank(plan.tp))} "
+            f"and {human_count(shape.root_numel_per_tp_rank(plan.tp))}"
+            if plan.tp > 1
+            else ""
+        ),
         _setup_line(plan),
         "",
         "| per rank | bytes |",
@@ -333,7 +388,14 @@ def format_plan(plan: PlanResult, device_memory: int | None = None) -> str:
         lines.append(
             f"| host memory (offloaded params, grads, optimizer) | {human_bytes(plan.host_bytes)} |"
         )
-    lines.append(f"| sent per step (ring estimate) | {human_bytes(plan.comm_bytes_per_step)} |")
+    if plan.tp > 1:
+        lines += [
+            f"| sent per step, FSDP (ring estimate) | {human_bytes(plan.comm_bytes_per_step)} |",
+            f"| sent per step, tensor parallel (ring estimate) | "
+            f"{human_bytes(plan.tp_comm_bytes_per_step)} |",
+        ]
+    else:
+        lines.append(f"| sent per step (ring estimate) | {human_bytes(plan.comm_bytes_per_step)} |")
     if device_memory is not None:
         verdict = "fits" if memory.total <= device_memory else "does NOT fit"
         lines += [
@@ -425,6 +487,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ranks a unit is sharded over (default: all): fsdp1's hybrid strategies; with "
         "fsdp2, a 2-D (replicate, shard) mesh (HSDP)",
     )
+    setup.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="fsdp2: tensor-parallel ranks inside each data-parallel rank (default 1); "
+        "fully_shard shards over --world-size / --tp ranks (--shard-group-size counts those)",
+    )
     setup.add_argument("--param-dtype", choices=sorted(_DTYPE_BYTES), default="fp32")
     setup.add_argument(
         "--mixed-precision",
@@ -480,6 +549,22 @@ def _post_forward_at(args: argparse.Namespace, strategy: str, shard_ranks: int) 
     return reshard_flag.post_forward_shards(k, shard_ranks)[1]
 
 
+def _check_tp_args(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, shape: ModelShape
+) -> None:
+    if args.tp == 1:
+        return
+    if args.api != "fsdp2":
+        parser.error(
+            f"--tp {args.tp} composes tensor parallelism with fully_shard: add --api fsdp2"
+        )
+    if args.world_size % args.tp:
+        parser.error(f"--world-size {args.world_size} must be a multiple of --tp {args.tp}")
+    problem = shape.tp_problem(args.tp)
+    if problem:
+        parser.error(f"{problem} ({shape.name}): pick a --tp that divides them")
+
+
 def _strategy(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
     """The memory model's strategy: ``--strategy`` (fsdp1), or the one ``fully_shard``'s
     options amount to (fsdp2)."""
@@ -496,13 +581,13 @@ def _strategy(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
             "use --reshard-after-forward true (FULL_SHARD) or false (SHARD_GRAD_OP), and "
             "--shard-group-size for a 2-D (replicate, shard) mesh (HYBRID_SHARD)"
         )
-    shard_ranks = args.shard_group_size or args.world_size
+    shard_ranks = args.shard_group_size or args.world_size // args.tp
     k = args.reshard_after_forward
     problem = reshard_flag.factor_problem(k, shard_ranks)
     if problem:
         parser.error(
             f"{problem} (--reshard-after-forward: the ranks of the shard group, "
-            "--shard-group-size or else --world-size)"
+            "--shard-group-size or else --world-size / --tp)"
         )
     reshard, _ = reshard_flag.post_forward_shards(k, shard_ranks)
     return fsdp2_strategy(reshard, two_d_mesh=args.shard_group_size is not None)
@@ -510,24 +595,26 @@ def _strategy(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     shape = _shape(args, parser)
-    for name in ("world_size", "batch", "seq_len", "shard_group_size", "layers", "d_model"):
+    for name in ("world_size", "batch", "seq_len", "shard_group_size", "layers", "d_model", "tp"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+    _check_tp_args(args, parser, shape)
     strategy = _strategy(args, parser)
     hybrid = strategy in _HYBRID
+    dp = args.world_size // args.tp
     if args.shard_group_size is not None and not hybrid:
         parser.error("--shard-group-size applies to HYBRID_SHARD and _HYBRID_SHARD_ZERO2 only")
-    if hybrid and args.world_size % (args.shard_group_size or args.world_size):
+    if hybrid and dp % (args.shard_group_size or dp):
         parser.error(
-            f"--world-size {args.world_size} must be a multiple of --shard-group-size "
-            f"{args.shard_group_size}"
+            f"--world-size {args.world_size} / --tp {args.tp} ({dp} data-parallel ranks) must "
+            f"be a multiple of --shard-group-size {args.shard_group_size}"
         )
 
     def plan_for(world_size: int) -> PlanResult:
         group = args.shard_group_size
         if hybrid and group is not None:
-            group = math.gcd(group, world_size)
+            group = math.gcd(group, world_size // args.tp)
         return make_plan(
             shape,
             world_size,
@@ -542,7 +629,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             activation_checkpointing=args.activation_checkpointing,
             device=args.device,
             api=args.api,
-            post_forward_shards=_post_forward_at(args, strategy, group or world_size),
+            post_forward_shards=_post_forward_at(args, strategy, group or world_size // args.tp),
+            tp=args.tp,
         )
 
     plan = plan_for(args.world_size)
@@ -558,7 +646,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         Path(args.json).write_text(json.dumps(record, indent=1))
     if args.plot:
         sizes = sorted(
-            {2**k for k in range(int(math.log2(args.world_size)) + 1)} | {args.world_size}
+            n
+            for n in {2**k for k in range(int(math.log2(args.world_size)) + 1)} | {args.world_size}
+            if n % args.tp == 0
         )
         _plot({n: plan_for(n) for n in sizes}, args.plot, args.device_memory)
         print(f"\nchart: {args.plot}")

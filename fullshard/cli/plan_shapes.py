@@ -69,6 +69,33 @@ class ModelShape:
     def params(self) -> int:
         return self.n_layers * self.unit_numel + self.root_numel
 
+    def tp_problem(self, tp: int) -> str | None:
+        """Why ``tp`` tensor-parallel ranks cannot split this shape's heads and MLP (None:
+        they can)."""
+        for what, count in (("attention heads", self.n_heads), ("kv heads", self.kv_heads)):
+            if count % tp:
+                return f"--tp {tp} does not divide the model's {count} {what}"
+        if self.ffn % tp:
+            return f"--tp {tp} does not divide the model's MLP width {self.ffn}"
+        return None
+
+    def unit_numel_per_tp_rank(self, tp: int) -> int:
+        """One block's parameters on each of ``tp`` tensor-parallel ranks, under torchtitan's
+        (Megatron's) plan: q, k, v and the MLP's input matrices split by output column
+        (their biases with them), the attention and MLP output matrices split by input row
+        (their biases, ``2 * d_model``, replicated), the norms replicated."""
+        norms = 2 * (2 * self.d_model if self.layer_norm else self.d_model)
+        replicated = norms + (2 * self.d_model if self.bias else 0)
+        return -(-(self.unit_numel - replicated) // tp) + replicated
+
+    def root_numel_per_tp_rank(self, tp: int) -> int:
+        """The root unit's parameters on each of ``tp`` tensor-parallel ranks: the token
+        embedding split by vocabulary row and an untied head by vocabulary column (their
+        rows rounded up), learned positions and the final norm replicated."""
+        d = self.d_model
+        embeddings = -(-self.vocab // tp) * d * (1 if self.tied_embeddings else 2)
+        return embeddings + self.root_numel - self.vocab * d * (1 if self.tied_embeddings else 2)
+
 
 def gpt_shape(name: str, n_layers: int, d_model: int, n_heads: int, seq_len: int) -> ModelShape:
     """The shape of `fullshard.examples.gpt.GPT` (byte vocabulary, tied head, learned

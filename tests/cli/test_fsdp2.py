@@ -282,3 +282,99 @@ def test_plan_fsdp2_flags_are_refused_with_the_wrong_api() -> None:
         result = _run(["plan", "--preset", "tiny", *args], timeout=60)
         assert result.returncode == 2, (args, result.stderr)
         assert f"fullshard plan: error: {message}" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_plan_tp_pieces_are_a_real_llamas_tensor_parallel_pieces(
+    tp: int, tied: bool, tmp_path: Path
+) -> None:
+    """``--tp``'s per-rank block and root sizes are what torchtitan's plan leaves on each
+    tensor-parallel rank of a real transformers Llama (q, k, v, gate, up split by output
+    row, o and down by input column, the embedding by vocabulary row, an untied head by
+    vocabulary row, norms whole), with grouped kv heads and a vocabulary ``tp`` does not
+    divide."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fullshard.cli.plan_shapes import shape_from_hf_config
+
+    config = LlamaConfig(
+        vocab_size=1001, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=tied,
+    )  # fmt: skip
+    config.to_json_file(tmp_path / "config.json")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    by_rows = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
+    by_columns = ("o_proj", "down_proj")
+
+    def piece(name: str, param: torch.nn.Parameter) -> int:
+        if any(part in name for part in by_rows):
+            return -(-param.shape[0] // tp) * param[0].numel()  # ranks round rows up
+        if any(part in name for part in by_columns):
+            return param.shape[0] * (param.shape[1] // tp)
+        return param.numel()  # norms
+
+    block = sum(piece(n, p) for n, p in model.model.layers[0].named_parameters())
+    root = sum(
+        piece(n, p) for n, p in model.named_parameters(remove_duplicate=True) if ".layers." not in n
+    )
+    shape = shape_from_hf_config(tmp_path / "config.json")
+    assert shape.unit_numel == sum(p.numel() for p in model.model.layers[0].parameters())
+    assert shape.unit_numel_per_tp_rank(tp) == block
+    assert shape.root_numel_per_tp_rank(tp) == root
+
+
+def test_plan_tp_shards_each_piece_over_the_data_parallel_ranks(tmp_path: Path) -> None:
+    """``--api fsdp2 --tp T`` on W ranks: the model state per rank is that of the
+    tensor-parallel pieces sharded over W / T data-parallel ranks (so about 1 / W of the
+    model), activations split T ways shrink, FSDP's traffic runs over W / T ranks and the
+    tensor-parallel traffic is its own row; --tp 1 plans exactly as before; the report and
+    JSON name the (dp, tp) mesh."""
+    shape = PRESETS["llama2-7b"]
+    base = ["plan", "--preset", "llama2-7b", "--world-size", "16", "--api", "fsdp2",
+            "--mixed-precision", "bf16", "--batch", "2", "--seq-len", "2048"]  # fmt: skip
+    result = _run([*base, "--tp", "4", "--json", str(tmp_path / "tp.json")], timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "on a sub-mesh of the 2-D mesh (dp 4, tp 4), after parallelize_module" in result.stdout
+    assert "| sent per step, tensor parallel (ring estimate) |" in result.stdout
+    _run([*base, "--json", str(tmp_path / "dp.json")], timeout=60)
+    _run([*base, "--tp", "1", "--json", str(tmp_path / "tp1.json")], timeout=60)
+    tp_plan, dp_plan, tp1 = (
+        json.loads((tmp_path / f"{name}.json").read_text()) for name in ("tp", "dp", "tp1")
+    )
+    assert tp1 == dp_plan and dp_plan["tp"] == 1 and dp_plan["tp_comm_bytes_per_step"] == 0
+    assert tp_plan["tp"] == 4
+    params_per_rank = shape.n_layers * -(-shape.unit_numel_per_tp_rank(4) // 4) + -(
+        -shape.root_numel_per_tp_rank(4) // 4
+    )
+    assert tp_plan["memory"]["params"] == pytest.approx(params_per_rank * 4, rel=1e-3)
+    # vs 16-way FSDP: the same state within the replicated norms' share, less activation
+    assert tp_plan["memory"]["params"] == pytest.approx(dp_plan["memory"]["params"], rel=1e-3)
+    assert tp_plan["memory"]["activations"] < dp_plan["memory"]["activations"] / 2
+    want = make_plan(
+        shape, 4, "FULL_SHARD", mixed_precision="bf16", batch=2, seq_len=2048, api="fsdp2"
+    )  # FSDP over the 4 data-parallel ranks of the pieces: its traffic is 4-way, not 16
+    assert tp_plan["comm_bytes_per_step"] < want.comm_bytes_per_step
+    # 8 collectives per block and 4 around embedding and head, each (tp-1)/tp of the tokens
+    tokens = 2 * 2048
+    assert tp_plan["tp_comm_bytes_per_step"] == int(
+        (8 * shape.n_layers + 4) * tokens * shape.d_model * 2 * 3 / 4
+    )
+
+
+def test_plan_tp_misuse_is_refused() -> None:
+    """--tp without fsdp2, one that does not divide the world or the heads: argparse
+    errors naming what to change."""
+    for args, message in [
+        (["--tp", "2"], "--tp 2 composes tensor parallelism with fully_shard: add --api fsdp2"),
+        (["--api", "fsdp2", "--world-size", "8", "--tp", "3"],
+         "--world-size 8 must be a multiple of --tp 3"),
+        (["--api", "fsdp2", "--world-size", "16", "--tp", "16"],
+         "--tp 16 does not divide the model's 8 kv heads (llama2-70b)"),
+        (["--api", "fsdp2", "--world-size", "8", "--tp", "0"], "--tp must be positive, got 0"),
+    ]:  # fmt: skip
+        result = _run(["plan", "--preset", "llama2-70b", *args], timeout=60)
+        assert result.returncode == 2, (args, result.stderr)
+        assert f"fullshard plan: error: {message}" in result.stderr, result.stderr
