@@ -5,6 +5,7 @@ the other). A mixin of ``FullyShardedDataParallel``, which users call them on.""
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Generator
 from typing import Any
 
@@ -19,6 +20,18 @@ from ._features.optim_state_dict import OptimStateKeyType
 from .api import OptimStateDictConfig, StateDictConfig, StateDictSettings, StateDictType
 
 __all__: list[str] = []
+
+
+def _warn_optim_input(optim_input: Any) -> None:
+    """torch's deprecation warning for ``optim_input`` (its text); fullshard reads it only
+    where no ``optim`` is given, to know which parameter each state belongs to."""
+    if optim_input is not None:
+        warnings.warn(
+            "The `optim_input` argument is deprecated and will be removed after PyTorch 1.13. "
+            "You may remove it from your code without changing its functionality.",
+            FutureWarning,
+            stacklevel=3,
+        )
 
 
 class StateDictMethods:
@@ -99,6 +112,7 @@ class StateDictMethods:
     ) -> dict[str, Any]:
         """The full optimizer state dict (FQN-keyed, on the CPU), on rank 0 only unless
         ``rank0_only=False`` (the other ranks get ``{}``). Collective."""
+        _warn_optim_input(optim_input)
         del optim_input  # the optimizer's own param groups say which parameter is which
         return _optim_state_dict.produce(
             model, optim, None, full=True, rank0_only=rank0_only, offload_to_cpu=True, group=group
@@ -124,6 +138,7 @@ class StateDictMethods:
         """This rank's loadable part of a full optimizer state dict every rank holds. The
         optimizer's parameters come from ``optim``, else ``optim_input``, else
         ``model.parameters()``."""
+        _warn_optim_input(optim_input)
         groups = _optim_state_dict._param_groups(model, optim, optim_input)
         return _optim_load.load(model, groups, full_optim_state_dict, rank0_only=False)
 
@@ -145,6 +160,7 @@ class StateDictMethods:
     ) -> dict[str, Any]:
         """Like ``shard_full_optim_state_dict``, with the full dict on rank 0 only (the others
         pass None): rank 0 broadcasts it one tensor at a time. Collective."""
+        _warn_optim_input(optim_input)
         groups = _optim_state_dict._param_groups(model, optim, optim_input)
         return _optim_load.load(model, groups, full_optim_state_dict, rank0_only=True, group=group)
 
@@ -159,5 +175,6 @@ class StateDictMethods:
         """``optim_state_dict`` keyed by parameter name (what FSDP's full dicts use) or by id
         (what an optimizer over an unwrapped model loads). Ids follow ``optim``'s param
         groups, else ``optim_input``, else ``model.parameters()``."""
+        _warn_optim_input(optim_input)
         groups = _optim_state_dict._param_groups(model, optim, optim_input)
         return _optim_load.rekey(optim_state_dict, optim_state_key_type, model, groups)

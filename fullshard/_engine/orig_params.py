@@ -6,7 +6,7 @@ gradients, and what happens when a user changes them after wrapping. A part of
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -107,14 +107,6 @@ def _assign_param(module: nn.Module, name: str, param: nn.Parameter, unsafe: boo
     setattr(module, name, param)
 
 
-def _remove_attr(module: nn.Module, name: str, unsafe: bool) -> None:
-    if unsafe:
-        module._parameters.pop(name, None)
-        module.__dict__.pop(name, None)
-    elif hasattr(module, name):
-        delattr(module, name)
-
-
 def _equal_copies(held: list[nn.Parameter | None]) -> bool:
     """Whether the modules sharing a parameter hold new parameters that are equal copies of
     each other (``load_state_dict(assign=True)`` gives each name of a tied parameter its own
@@ -126,6 +118,43 @@ def _equal_copies(held: list[nn.Parameter | None]) -> bool:
         and torch.equal(local_tensor(param), local_tensor(first))  # type: ignore[arg-type]
         for param in held
     )
+
+
+class StorageLess(torch.Tensor):
+    """What a module holds as an original parameter of a flat-parameter unit outside
+    forward (see ``OrigParamViews.hold_storageless_views``): shape, dtype and device, and no
+    values; any operation on it raises, naming the parameter and where its values are."""
+
+    _where: str
+
+    @staticmethod
+    def __new__(
+        cls, shape: torch.Size, dtype: torch.dtype, device: torch.device, where: str
+    ) -> StorageLess:
+        tensor = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+        tensor._where = where
+        return tensor
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]  # torch declares it without func
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        held = next(arg for arg in (*args, *(kwargs or {}).values()) if isinstance(arg, cls))
+        raise RuntimeError(
+            f"{held._where} ({tuple(held.shape)}, {held.dtype}) has no values outside "
+            f"forward: with use_orig_params=False the unit holds them in its flat parameter "
+            f"({func} was called on the module's attribute). Read them inside "
+            "FullyShardedDataParallel.summon_full_params(model), from model.state_dict(), or "
+            "wrap with use_orig_params=True to keep the original parameters registered"
+        )
+
+    def __repr__(self, *, tensor_contents: object = None) -> str:  # type: ignore[override]
+        return f"StorageLess({self._where}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def __deepcopy__(self, memo: dict[int, object]) -> StorageLess:
+        return StorageLess(self.shape, self.dtype, self.device, self._where)
 
 
 class OrigParamViews:
@@ -163,13 +192,26 @@ class OrigParamViews:
         if self._use_orig_params:
             self._use_sharded_params()
             return
-        for param, slot_owners, fqn in zip(self._orig_params, self._owners, self.param_fqns):
-            for module, name in slot_owners:
-                _remove_attr(module, name, self._unsafe_setattr)
+        self.hold_storageless_views()
+        for param, fqn in zip(self._orig_params, self.param_fqns):
             # The handle keeps the object only to recognise it; its values now live in the
             # flat parameter, so drop the original storage.
             param.data = param.data.new_empty(0)
             RELEASED[param] = fqn
+
+    def hold_storageless_views(self) -> None:
+        """Flat parameters (``use_orig_params=False``), before the first forward and after a
+        summon: each owner module's attribute is a `StorageLess` tensor with its
+        parameter's shape, dtype and device, as torch's FSDP1 leaves views there. So
+        ``module.weight is not None``, its shape and ``print(model)`` work as on torch
+        (``nn.Linear``'s repr reads ``bias``), and using the values raises an error that
+        says where to read them (torch's views there may hold no storage at all)."""
+        for index, slot_owners in enumerate(self._owners):
+            flat = self.segment_of(index).flat_param
+            where = f"parameter '{self.param_fqns[index]}' of FSDP unit '{self.label}'"
+            view = StorageLess(self.slot(index).shape, flat.dtype, flat.device, where)
+            for module, name in slot_owners:
+                _assign_plain(module, name, view, self._unsafe_setattr)
 
     def _use_sharded_params(self) -> None:
         """``use_orig_params``: original parameters registered, data = their shard pieces."""

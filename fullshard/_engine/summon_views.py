@@ -18,7 +18,7 @@ from .dtensor_params import DTensorParams
 from .flat_segment import FlatParameter, FlatSegment
 from .grads import assign_grad
 from .handle_state import HandleState
-from .orig_params import _assign_param, _assign_plain, _remove_attr
+from .orig_params import _assign_param, _assign_plain
 
 __all__: list[str] = []
 
@@ -48,6 +48,7 @@ class SummonViews:
         def _unsharded_views(self) -> list[torch.Tensor]: ...
         def sync_orig_grads(self) -> None: ...
         def _use_sharded_params(self) -> None: ...
+        def hold_storageless_views(self) -> None: ...
         def _use_sharded_grad_views(self, unused: set[int] | None = None) -> None: ...
 
     def expose_unsharded_params(self) -> None:
@@ -143,11 +144,9 @@ class SummonViews:
 
     def _drop_exposed_params(self) -> None:
         """Sharded already: the original parameters back on their shard pieces, or (flat
-        parameters) no attribute until the next forward sets its views."""
+        parameters) storageless views until the next forward sets its views."""
         if self._use_orig_params:
             self._use_sharded_params()
             self._use_sharded_grad_views()
             return
-        for slot_owners in self._owners:
-            for module, name in slot_owners:
-                _remove_attr(module, name, self._unsafe_setattr)
+        self.hold_storageless_views()

@@ -360,6 +360,8 @@ def produce(
     if not keep:
         return {}
     state = _in_order(_assemble(ordered, states, metadata, tensors, offload_to_cpu), rank0_order)
+    if source is not None and "param_groups" not in source:
+        return {"state": state}  # as torch: a dict given without groups gets none back
     base_groups = (
         source["param_groups"] if source is not None else optim.state_dict()["param_groups"]
     )

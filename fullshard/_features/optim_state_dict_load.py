@@ -66,8 +66,9 @@ def _broadcast_skeleton(osd: dict[str, Any] | None, group: Any) -> dict[str, Any
                 }
                 for fqn, param_state in osd["state"].items()
             },
-            "param_groups": osd.get("param_groups", []),
         }
+        if "param_groups" in osd:
+            skeleton[0]["param_groups"] = osd["param_groups"]
     with comm.named("the broadcast of the optimizer state dict's layout", group):
         dist.broadcast_object_list(skeleton, src=_global_rank0(group), group=group)
     return skeleton[0]
@@ -145,9 +146,11 @@ def load(
         for position, state in sorted(states.items())
         if state and _holds_piece(ordered[position])
     }
+    if "param_groups" not in skeleton:  # as torch: none given, none returned (the caller
+        return {"state": loaded}  # adds the optimizer's own before loading)
     return {
         "state": loaded,
-        "param_groups": _id_param_groups(skeleton.get("param_groups", []), groups, ordered),
+        "param_groups": _id_param_groups(skeleton["param_groups"], groups, ordered),
     }
 
 

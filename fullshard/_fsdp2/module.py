@@ -190,6 +190,16 @@ class FSDPModule:
         if not isinstance(is_last_backward, bool):
             raise TypeError(f"is_last_backward should be a bool, got {type(is_last_backward)}")
 
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """torch's switch (private, but called by its tests and by torchtitan's users) to
+        issue the pre-forward and pre-backward all-gathers with ``async_op=True``, so that
+        their buffers come from the default stream rather than a separate all-gather
+        stream. fullshard has no all-gather stream: its buffers always come from the
+        current stream, so both values give the same gradients and the same collectives;
+        accepted, the value checked as torch's type."""
+        if not isinstance(async_op, bool):
+            raise TypeError(f"async_op should be a bool, got {type(async_op)}")
+
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated in torch: use ``set_gradient_divide_factor``."""
         warnings.warn("Use `set_gradient_divide_factor` instead", DeprecationWarning, stacklevel=2)

@@ -303,11 +303,14 @@ def _check_ties_kept(module: nn.Module) -> None:
     for name, param in module.named_parameters():
         if param in RELEASED:
             raise ValueError(
-                f"parameter '{name}' of this {type(module).__qualname__} is tied to "
-                f"'{RELEASED[param]}' of a module fully_shard was applied to on its own, which "
-                "broke the tie. A tied parameter must be managed by a module containing every "
-                "module that uses it: do not apply fully_shard to that module alone (leave it to "
-                "this one), or put both in one group (fully_shard([a, b]))"
+                f"Parameter '{name}' is shared with a parameter already managed by another "
+                "FSDP group. For shared/tied parameters, use fully_shard([module_a, module_b]) "
+                f"to place them in the same FSDP group: parameter '{name}' of this "
+                f"{type(module).__qualname__} is tied to '{RELEASED[param]}' of a module "
+                "fully_shard was applied to on its own, which broke the tie. A tied parameter "
+                "must be managed by a module containing every module that uses it: do not "
+                "apply fully_shard to that module alone (leave it to this one), or put both "
+                "in one group (fully_shard([a, b]))"
             )
 
 

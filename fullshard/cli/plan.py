@@ -96,7 +96,8 @@ _FSDP2_STRATEGIES = {
 # 212 apart; the model: 766 and 542 MiB, 224 apart (totals 17% and 24% under, as above).
 _TP_NOTES = (
     "tensor parallel as torchtitan plans it: q, k, v and the MLP's input matrices split by "
-    "column, the output matrices by row, norms replicated, sequence parallel between blocks, "
+    "output feature, the output matrices by input feature, norms replicated, sequence "
+    "parallel between blocks, "
     "the embedding and an untied head split by vocabulary; fully_shard shards each rank's "
     "piece over the data-parallel ranks of its column of the (dp, tp) mesh",
 )

@@ -81,17 +81,18 @@ class ModelShape:
 
     def unit_numel_per_tp_rank(self, tp: int) -> int:
         """One block's parameters on each of ``tp`` tensor-parallel ranks, under torchtitan's
-        (Megatron's) plan: q, k, v and the MLP's input matrices split by output column
-        (their biases with them), the attention and MLP output matrices split by input row
-        (their biases, ``2 * d_model``, replicated), the norms replicated."""
+        (Megatron's) plan: q, k, v and the MLP's input matrices split by output feature
+        (``ColwiseParallel``: their weights' rows, and their biases), the attention and MLP
+        output matrices by input feature (``RowwiseParallel``: their weights' columns; their
+        biases, ``2 * d_model``, replicated), the norms replicated."""
         norms = 2 * (2 * self.d_model if self.layer_norm else self.d_model)
         replicated = norms + (2 * self.d_model if self.bias else 0)
         return -(-(self.unit_numel - replicated) // tp) + replicated
 
     def root_numel_per_tp_rank(self, tp: int) -> int:
         """The root unit's parameters on each of ``tp`` tensor-parallel ranks: the token
-        embedding split by vocabulary row and an untied head by vocabulary column (their
-        rows rounded up), learned positions and the final norm replicated."""
+        embedding and an untied head split by vocabulary (their weights' rows, rounded up),
+        learned positions and the final norm replicated."""
         d = self.d_model
         embeddings = -(-self.vocab // tp) * d * (1 if self.tied_embeddings else 2)
         return embeddings + self.root_numel - self.vocab * d * (1 if self.tied_embeddings else 2)

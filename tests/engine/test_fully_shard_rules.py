@@ -574,7 +574,7 @@ def test_reset_iter_state_after_a_forward_raised() -> None:
     run_on_ranks(2, _reset_as_torch)
 
 
-def _accumulate(last_backward_flags: bool) -> tuple[list[torch.Tensor], dict[str, float]]:
+def _accumulate(flags: str | None) -> tuple[list[torch.Tensor], dict[str, float]]:
     from fullshard import fully_shard
     from fullshard._comm.collectives import COUNTERS
 
@@ -582,26 +582,31 @@ def _accumulate(last_backward_flags: bool) -> tuple[list[torch.Tensor], dict[str
     model = FewRows()
     fully_shard(model.proj)
     fully_shard(model)
+    if flags == "unshard_async_op":
+        model._set_unshard_async_op(True)
     COUNTERS.reset()
     for micro in range(3):
-        if last_backward_flags:
+        if flags == "is_last_backward":
             model.set_is_last_backward(micro == 2)
         model(_batch(micro)).sum().backward()
     return [_full(p.grad) for p in model.parameters()], dict(COUNTERS.calls)
 
 
-def _is_last_backward_changes_nothing() -> None:
-    plain, plain_calls = _accumulate(False)
-    flagged, flagged_calls = _accumulate(True)
+def _flag_changes_nothing(flag: str) -> None:
+    plain, plain_calls = _accumulate(None)
+    flagged, flagged_calls = _accumulate(flag)
     assert plain_calls == flagged_calls
     for a, b in zip(plain, flagged):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_set_is_last_backward_changes_nothing_observable() -> None:
-    """fullshard's backward always ends with its gradients reduced into ``.grad``: the same
-    gradients and the same collectives with or without set_is_last_backward."""
-    run_on_ranks(2, _is_last_backward_changes_nothing)
+@pytest.mark.parametrize("flag", ["is_last_backward", "unshard_async_op"])
+def test_set_is_last_backward_and_unshard_async_op_change_nothing_observable(flag: str) -> None:
+    """fullshard's backward always ends with its gradients reduced into ``.grad``, and its
+    all-gathers have no stream of their own: the same gradients and the same collectives
+    with or without set_is_last_backward, or torch's _set_unshard_async_op(True) (which
+    torch's test_train_parity_multi_group_unshard_async_op calls)."""
+    run_on_ranks(2, _flag_changes_nothing, flag)
 
 
 class _Event:
@@ -939,7 +944,9 @@ def _llama_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
 
-def _llama_dp_tp(api: str, tied: bool, steps: int) -> tuple[list[float], list[torch.Tensor]]:
+def _llama_dp_tp(
+    api: str, tied: bool, steps: int, hsdp: bool = False
+) -> tuple[list[float], list[torch.Tensor]]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -947,7 +954,13 @@ def _llama_dp_tp(api: str, tied: bool, steps: int) -> tuple[list[float], list[to
         parallelize_module,
     )
 
-    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    if hsdp:  # 8 ranks: HSDP (replicate 2, shard 2) x TP 2, fully_shard on the 2-D sub-mesh
+        world = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_rep", "dp_shard", "tp"))
+        dp = world["dp_rep", "dp_shard"]
+    else:
+        world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        dp = world["dp"]
+    data_rank = dist.get_rank() // 2  # tp is the innermost dim
     model = _Llama(tied)
     plan = {
         "attention.wq": ColwiseParallel(),
@@ -961,12 +974,12 @@ def _llama_dp_tp(api: str, tied: bool, steps: int) -> tuple[list[float], list[to
     shard = _fully_shard(api)
     for layer in model.layers:
         parallelize_module(layer, world["tp"], plan)
-        shard(layer, mesh=world["dp"])
-    shard(model, mesh=world["dp"])
+        shard(layer, mesh=dp)
+    shard(model, mesh=dp)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(steps):
-        loss = _llama_loss(model, _llama_tokens(step, world.get_local_rank("dp")))
+        loss = _llama_loss(model, _llama_tokens(step, data_rank))
         loss.backward()
         optim.step()
         optim.zero_grad()
@@ -974,20 +987,21 @@ def _llama_dp_tp(api: str, tied: bool, steps: int) -> tuple[list[float], list[to
     return losses, [_full(p) for p in model.parameters()]
 
 
-def _llama_parity(tied: bool) -> None:
+def _llama_parity(tied: bool, hsdp: bool = False) -> None:
     steps = 5
-    ours = _llama_dp_tp("fullshard", tied, steps)
-    theirs = _llama_dp_tp("torch", tied, steps)
+    ours = _llama_dp_tp("fullshard", tied, steps, hsdp)
+    theirs = _llama_dp_tp("torch", tied, steps, hsdp)
     assert ours[0] == pytest.approx(theirs[0], rel=1e-5), (ours[0], theirs[0])
-    # one process, no parallelism: the mean loss of both data-parallel batches
+    # one process, no parallelism: the mean loss of every data-parallel rank's batch
     reference = _Llama(tied)
     optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    data_rank = dist.get_rank() // 2  # the (dp, tp) mesh's row
+    data_ranks = dist.get_world_size() // 2
+    data_rank = dist.get_rank() // 2  # tp is the innermost dim
     reference_losses = []
     for step in range(steps):
-        losses = [_llama_loss(reference, _llama_tokens(step, r)) for r in range(2)]
+        losses = [_llama_loss(reference, _llama_tokens(step, r)) for r in range(data_ranks)]
         reference_losses.append(losses[data_rank].item())
-        ((losses[0] + losses[1]) / 2).backward()
+        (sum(losses) / data_ranks).backward()
         optim.step()
         optim.zero_grad()
     assert ours[0] == pytest.approx(reference_losses, rel=1e-5), (ours[0], reference_losses)
@@ -1004,3 +1018,11 @@ def test_llama_under_dp_and_tensor_parallel_trains_as_torch_and_one_process(tied
     RMSNorm, tied or untied head) trains 5 AdamW steps to torch's FSDP2 + TP losses and
     parameters, and to a single process's parameters."""
     run_on_ranks(4, _llama_parity, tied)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_llama_under_hsdp_and_tensor_parallel_trains_as_torch_and_one_process(tied: bool) -> None:
+    """On 8 ranks, (dp_replicate 2, dp_shard 2, tp 2): ``fully_shard`` on the 2-D HSDP
+    sub-mesh of TP-parallelized blocks trains 5 AdamW steps to torch's losses and
+    parameters, and to one process's."""
+    run_on_ranks(8, _llama_parity, tied, True)

@@ -709,3 +709,63 @@ def test_loading_into_a_model_with_parameters_the_state_dict_does_not_know(
     groups (optim.load_state_dict refuses until its state is added, as torch); inside a unit
     sharing a flat parameter it raises torch's scalar-state error."""
     run_on_ranks(2, _unmanaged_parameters, use_orig_params, state_dict_type)
+
+
+def _optim_input_deprecated() -> None:
+    import warnings
+
+    model = _wrap(ShardingStrategy.FULL_SHARD, use_orig_params=True)
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    _step(model, optim, dist.get_rank(), 0)
+    optim_input = list(model.parameters())  # the original parameters, as the optimizer's
+    deprecated = r"The `optim_input` argument is deprecated and will be removed after PyTorch 1\.13"
+    with pytest.warns(FutureWarning, match=deprecated):
+        full = FSDP.full_optim_state_dict(model, optim, optim_input=optim_input, rank0_only=False)
+    with pytest.warns(FutureWarning, match=deprecated):
+        FSDP.shard_full_optim_state_dict(full, model, optim_input=optim_input)
+    with pytest.warns(FutureWarning, match=deprecated):
+        FSDP.scatter_full_optim_state_dict(
+            full if dist.get_rank() == 0 else None, model, optim_input=optim_input
+        )
+    with pytest.warns(FutureWarning, match=deprecated):
+        FSDP.rekey_optim_state_dict(
+            full, OptimStateKeyType.PARAM_ID, model, optim_input=optim_input
+        )
+    with warnings.catch_warnings():  # without it: no warning
+        warnings.simplefilter("error", FutureWarning)
+        full_again = FSDP.full_optim_state_dict(model, optim, rank0_only=False)
+        FSDP.shard_full_optim_state_dict(full_again, model, optim=optim)
+    assert full_again["param_groups"] == full["param_groups"]
+
+
+def test_optim_input_is_deprecated_with_torchs_warning() -> None:
+    """Every optimizer-state method taking ``optim_input`` warns as torch does when it is
+    given (torch's test_optim_input_warning), and stays silent without it."""
+    run_on_ranks(2, _optim_input_deprecated)
+
+
+def _without_param_groups(use_orig_params: bool) -> None:
+    rank = dist.get_rank()
+    model = _wrap(ShardingStrategy.FULL_SHARD, use_orig_params)
+    optim = _optimizer("adam", list(model.parameters()))
+    _step(model, optim, rank, 0)
+    original = copy.deepcopy(optim.state_dict())
+    no_groups = copy.deepcopy(original)
+    del no_groups["param_groups"]
+    saved = FSDP.optim_state_dict(model, optim, optim_state_dict=no_groups)
+    assert "param_groups" not in saved and saved["state"]  # torch's: the state, no groups
+    _step(model, optim, rank, 1)  # the optimizer moves on
+    to_load = FSDP.optim_state_dict_to_load(model, optim, saved)
+    assert "param_groups" not in to_load
+    to_load["param_groups"] = original["param_groups"]  # the caller adds them, as torch's test
+    optim.load_state_dict(to_load)
+    _assert_same_local_state(_local_state(optim), original)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig_params"])
+def test_optim_state_dict_given_without_param_groups(use_orig_params: bool) -> None:
+    """``FSDP.optim_state_dict(model, optim, optim_state_dict=<no param_groups>)`` returns
+    the state without groups, and ``optim_state_dict_to_load`` turns it back into this
+    rank's state, which loads once the groups are added (torch's
+    test_optim_state_without_param_groups; before: KeyError 'param_groups')."""
+    run_on_ranks(2, _without_param_groups, use_orig_params)

@@ -537,3 +537,36 @@ def test_gradients_edited_inside_summon_with_grads(
     written back into the sharded gradient, as torch's (before: silently dropped under the
     sharded strategies)."""
     run_on_ranks(2, _grads_edited_in_summon, strategy, writeback)
+
+
+def _attributes_outside_forward() -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
+
+    def build(cls: Any, policy: Any, **kwargs: Any) -> nn.Module:
+        torch.manual_seed(0)  # MultiheadAttention's out_proj: a Linear subclass
+        model = nn.Sequential(nn.Linear(4, 4), nn.MultiheadAttention(4, 2), nn.Linear(4, 3))
+        return cls(model, auto_wrap_policy=policy({nn.MultiheadAttention}), **kwargs)
+
+    ours = build(FSDP, ModuleWrapPolicy)
+    theirs = build(TorchFSDP, TorchPolicy, device_id=torch.device("cpu"))
+    # before a forward and after a summon, as torch: print(model) reads each Linear's bias
+    assert repr(ours) == repr(theirs)
+    for name, attr in (("0", "weight"), ("1", "in_proj_weight"), ("1.out_proj", "bias")):
+        mine, their = (getattr(m.module.get_submodule(name), attr) for m in (ours, theirs))
+        assert (mine.shape, mine.dtype, mine.device) == (their.shape, their.dtype, their.device)
+    with pytest.raises(RuntimeError, match=r"parameter '0\.weight' of FSDP unit .* no values"):
+        ours.module[0].weight.sum()  # torch's view there has no storage; ours names the fix
+    with FSDP.summon_full_params(ours):
+        assert ours.module[0].weight.abs().sum() > 0
+    assert repr(ours) == repr(theirs)
+    assert ours.module[2].bias.shape == (3,)
+
+
+def test_module_attributes_outside_forward_are_as_torchs_flat_parameter_views() -> None:
+    """With use_orig_params=False, before the first forward and after a summon, modules
+    keep attributes with their parameters' shape, dtype and device, as torch's FSDP1 (its
+    views): ``print(model)`` works (before: ``AttributeError: 'Linear' object has no
+    attribute 'bias'``, failing torch's test_train_ema_eval_flow), and using their values
+    raises an error naming the parameter and where to read it."""
+    run_on_ranks(2, _attributes_outside_forward)
