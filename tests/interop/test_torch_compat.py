@@ -556,7 +556,7 @@ def _attributes_outside_forward() -> None:
         mine, their = (getattr(m.module.get_submodule(name), attr) for m in (ours, theirs))
         assert (mine.shape, mine.dtype, mine.device) == (their.shape, their.dtype, their.device)
     with pytest.raises(RuntimeError, match=r"parameter '0\.weight' of FSDP unit .* no values"):
-        ours.module[0].weight.sum()  # torch's view there has no storage; ours names the fix
+        ours.module[0].weight.sum()  # no values there: the error names the parameter
     with FSDP.summon_full_params(ours):
         assert ours.module[0].weight.abs().sum() > 0
     assert repr(ours) == repr(theirs)
