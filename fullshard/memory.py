@@ -328,10 +328,10 @@ def transformer_activations(
     split = 9 if tp > 1 else 11
     whole = 11 - split
     hidden = (3 if gated_mlp else 2) * tokens * ffn
-    per_block = whole * tokens * d_model + _ceil_div(split * tokens * d_model + hidden, tp)
-    kept = _ceil_div(tokens * d_model, tp)
+    per_block = whole * tokens * d_model + _shard(split * tokens * d_model + hidden, tp)
+    kept = _shard(tokens * d_model, tp)
     saved = n_layers * (kept if checkpointed else per_block)
-    logits = _ceil_div(2 * tokens * vocab, tp)
+    logits = _shard(2 * tokens * vocab, tp)
     return (saved + per_block + logits) * bytes_
 
 
@@ -355,10 +355,6 @@ def tensor_parallel_bytes(
         return 0
     collectives = (12 if checkpointed else 8) * n_layers + 4
     return int(collectives * batch * seq_len * d_model * bytes_ * (tp - 1) / tp)
-
-
-def _ceil_div(num: int, den: int) -> int:
-    return -(-num // den)
 
 
 def gpt_activations(

@@ -140,8 +140,7 @@ def make_plan(
     ``post_forward_shards`` is ``reshard_after_forward=k``'s ``k``, and ``tp`` the
     tensor-parallel ranks inside each data-parallel rank (``shard_group_size`` then counts
     data-parallel ranks)."""
-    _check_api(api, strategy, post_forward_shards)
-    _check_tp(shape, world_size, tp, api)
+    _check_api(api, strategy, post_forward_shards, _tp_problem(shape, world_size, tp, api))
     param_bytes = _DTYPE_BYTES[param_dtype]
     compute_dtype = param_dtype if mixed_precision == "none" else mixed_precision
     compute_bytes = _DTYPE_BYTES[compute_dtype]
@@ -183,23 +182,30 @@ def _offloaded(resident: MemoryEstimate) -> tuple[MemoryEstimate, int]:
     return replace(resident, params=0, grads=0, optimizer=0), host
 
 
-def _check_api(api: str, strategy: str, post_forward_shards: int | None) -> None:
+def _check_api(
+    api: str, strategy: str, post_forward_shards: int | None, tp_problem: str | None
+) -> None:
+    if tp_problem:
+        raise ValueError(tp_problem)
     if api == "fsdp2" and strategy not in _FSDP2_STRATEGIES.values():
         raise ValueError(f"fully_shard has no {strategy}; see fsdp2_strategy")
     if post_forward_shards is not None and api != "fsdp2":
         raise ValueError("post_forward_shards is fully_shard's reshard_after_forward=k")
 
 
-def _check_tp(shape: ModelShape, world_size: int, tp: int, api: str) -> None:
+def _tp_problem(shape: ModelShape, world_size: int, tp: int, api: str) -> str | None:
+    """Why ``tp`` tensor-parallel ranks cannot be planned, in the command's flags (None: they
+    can); `make_plan` raises it, ``fullshard plan`` reports it as a usage error."""
     if tp == 1:
-        return
+        return None
+    if tp < 1:
+        return f"--tp must be positive, got {tp}"
     if api != "fsdp2":
-        raise ValueError("tp composes with fully_shard (api='fsdp2')")
-    if tp < 1 or world_size % tp:
-        raise ValueError(f"world_size {world_size} is not a multiple of tp {tp}")
+        return f"--tp {tp} composes tensor parallelism with fully_shard: add --api fsdp2"
+    if world_size % tp:
+        return f"--world-size {world_size} must be a multiple of --tp {tp}"
     problem = shape.tp_problem(tp)
-    if problem:
-        raise ValueError(problem)
+    return f"{problem} ({shape.name}): pick a --tp that divides them" if problem else None
 
 
 def _activations(
@@ -319,22 +325,6 @@ def _post_forward_at(args: argparse.Namespace, strategy: str, shard_ranks: int) 
     return reshard_flag.post_forward_shards(k, shard_ranks)[1]
 
 
-def _check_tp_args(
-    args: argparse.Namespace, parser: argparse.ArgumentParser, shape: ModelShape
-) -> None:
-    if args.tp == 1:
-        return
-    if args.api != "fsdp2":
-        parser.error(
-            f"--tp {args.tp} composes tensor parallelism with fully_shard: add --api fsdp2"
-        )
-    if args.world_size % args.tp:
-        parser.error(f"--world-size {args.world_size} must be a multiple of --tp {args.tp}")
-    problem = shape.tp_problem(args.tp)
-    if problem:
-        parser.error(f"{problem} ({shape.name}): pick a --tp that divides them")
-
-
 def _strategy(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
     """The memory model's strategy: ``--strategy`` (fsdp1), or the one ``fully_shard``'s
     options amount to (fsdp2)."""
@@ -363,13 +353,22 @@ def _strategy(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
     return fsdp2_strategy(reshard, two_d_mesh=args.shard_group_size is not None)
 
 
-def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    shape = _shape(args, parser)
+def _check_sizes(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, shape: ModelShape
+) -> None:
+    """Sizes are positive, and ``--tp`` can split ``shape`` over the world (usage errors)."""
     for name in ("world_size", "batch", "seq_len", "shard_group_size", "layers", "d_model", "tp"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
-    _check_tp_args(args, parser, shape)
+    tp_problem = _tp_problem(shape, args.world_size, args.tp, args.api)
+    if tp_problem:
+        parser.error(tp_problem)
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    shape = _shape(args, parser)
+    _check_sizes(args, parser, shape)
     strategy = _strategy(args, parser)
     hybrid = strategy in _HYBRID
     dp = args.world_size // args.tp
