@@ -15,7 +15,7 @@ from .dtensor_params import DTensorParams
 from .flat_param import FlatParameter, FlatParamHandle
 from .names import FLAT_PARAM_NAMES, clean_fqn, flat_param_owner, mark_managed
 from .settings import Settings
-from .unit import Unit, attach, unit_of, units_in
+from .unit import Unit, attach, attach_sibling, unit_of, units_in
 
 __all__: list[str] = []
 
@@ -26,10 +26,12 @@ def build_unit(
     settings: Settings,
     excluded_params: set[nn.Parameter],
     members: tuple[nn.Module, ...] = (),
+    sibling_of: Unit | None = None,
 ) -> Unit:
     """A unit managing ``module``'s parameters, attached to ``fsdp_module`` (and to
     ``members``, see ``attach``), leaving ``excluded_params`` to an ancestor (auto-wrapping
-    keeps shared parameters there)."""
+    keeps shared parameters there) or to sibling units; or, with ``sibling_of``, a sibling of
+    that unit (see [Note: sibling units])."""
     for ignored in settings.ignored_modules:
         if unit_of(ignored) is not None:
             raise ValueError(
@@ -70,7 +72,10 @@ def build_unit(
     if params:
         unit.set_handle(_make_handle(unit, params, owners, fqns))
     mark_managed(managed_modules)
-    attach(unit, members)
+    if sibling_of is None:
+        attach(unit, members)
+    else:
+        attach_sibling(unit, sibling_of)
     return unit
 
 

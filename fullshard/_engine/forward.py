@@ -32,22 +32,29 @@ def lazy_init(root: Unit) -> None:
     for name, m in root.fsdp_module.named_modules():
         unit = unit_of(m)
         if unit is not None and all(unit is not seen for _, seen in units):
-            units.append((clean_fqn(name), unit))  # a group's unit named by its first module
+            fqn = clean_fqn(name) or "(root)"  # a group's unit named by its first module
+            units.extend((fqn, each) for each in (unit, *unit.siblings))
     check_homogeneous([unit.settings for _, unit in units])
     for fqn, unit in units:
         if unit is not root and unit.runtime.training_state != TrainingState.IDLE:
             raise RuntimeError(f"FSDP unit '{fqn}' is in use while its root initialises")
         unit.runtime.is_root = unit is root
+        if unit.sibling_of is root and unit.runtime.reshard_after_forward is None:
+            unit.runtime.reshard_after_forward = False  # the root's rule, for all its groups
         if unit.handle is not None:
-            unit.handle.label = fqn or "(root)"
+            unit.handle.label = fqn
             unit.handle.adopt_replaced_data()
             unit.handle.init_optimizers_in_backward()
-        unit.managed_buffers = [
-            (module, name, buffer.dtype)
-            for module in unit.managed_modules()
-            for name, buffer in module._buffers.items()
-            if buffer is not None and buffer.is_floating_point()
-        ]
+        unit.managed_buffers = (
+            []  # the buffers are the unit's it is a sibling of
+            if unit.sibling_of is not None
+            else [
+                (module, name, buffer.dtype)
+                for module in unit.managed_modules()
+                for name, buffer in module._buffers.items()
+                if buffer is not None and buffer.is_floating_point()
+            ]
+        )
     root_state = RootState(
         [unit.runtime for _, unit in units],
         root.settings.backward_prefetch,

@@ -75,6 +75,11 @@ class Unit:
         self.superseded = False
         """Set when the module was wrapped again (FSDP1: the new wrapper drives the nested
         units now, so this one refuses to run)."""
+        self.siblings: list[Unit] = []
+        """Units one ``fully_shard`` call built beside this one for the same modules, over
+        other meshes or dtypes (see [Note: sibling units]); driven with it, never alone."""
+        self.sibling_of: Unit | None = None
+        """The unit attached to the modules, for a sibling (None for every other unit)."""
 
     def set_handle(self, handle: FlatParamHandle | None) -> None:
         """Give the unit its handle (once, at construction) and the runtime that drives it."""
@@ -116,6 +121,19 @@ _UNITS: weakref.WeakKeyDictionary[nn.Module, weakref.ReferenceType[Unit]] = (
 """Module -> its unit. Weak both ways: the entry dies with the module or the unit."""
 
 
+# [Note: sibling units]
+# torch's ``fully_shard`` lets ``shard_placement_fn`` put parameters of one call on other
+# meshes (``ShardPlacementResult``: experts sharded over the expert-data-parallel mesh, the
+# rest over the data-parallel mesh) and then keeps one parameter group per process group. A
+# unit here shards over one mesh, in one dtype per flat segment, so such a call builds one
+# unit per (mesh, dtype) group: the first is attached to the call's modules and the others
+# are its ``siblings``. The front door drives them together (each forward unshards all of
+# them, the backward reduces each over its own groups); ``units_in`` lists each sibling
+# right after its unit, so lazy initialisation, state dicts, summon and clipping see them as
+# units of their own. The same split lets one call mix parameter dtypes (bf16 weights with
+# fp32 norms), which torch 2.13 refuses at the first forward.
+
+
 def attach(unit: Unit, members: tuple[nn.Module, ...] = ()) -> None:
     """Register ``unit`` as the unit of ``unit.fsdp_module`` (which must keep it alive), and
     of ``members``: the other modules of a group ``fully_shard`` shards as one."""
@@ -123,6 +141,13 @@ def attach(unit: Unit, members: tuple[nn.Module, ...] = ()) -> None:
         if unit_of(module) is not None:
             raise ValueError(f"{type(module).__qualname__} already has an FSDP unit attached")
         _UNITS[module] = weakref.ref(unit)
+
+
+def attach_sibling(unit: Unit, primary: Unit) -> None:
+    """Register ``unit`` as a sibling of ``primary`` (see [Note: sibling units])."""
+    assert primary.sibling_of is None and unit is not primary, "siblings hang off one unit"
+    unit.sibling_of = primary
+    primary.siblings.append(unit)
 
 
 def unit_of(module: nn.Module) -> Unit | None:
@@ -139,10 +164,13 @@ def units_in(module: nn.Module, root_only: bool = False) -> list[Unit]:
         unit = unit_of(m)
         if unit is not None and all(unit is not seen for seen in units):
             units.append(unit)
+            units.extend(unit.siblings)
     if not root_only:
         return units
     nested = {id(m) for unit in units for m in unit.module.modules() if m is not unit.fsdp_module}
-    return [unit for unit in units if id(unit.fsdp_module) not in nested]
+    return [
+        unit for unit in units if id(unit.fsdp_module) not in nested and unit.sibling_of is None
+    ]
 
 
 def handles_in(module: nn.Module) -> list[FlatParamHandle]:

@@ -49,18 +49,19 @@ def fsdp_class(cls: type[nn.Module]) -> type[nn.Module]:
 
 class UnshardHandle:
     """What ``FSDPModule.unshard(async_op=True)`` returns: ``wait()`` waits for the
-    all-gather (the engine's ``UnshardWork``) and gives the module its unsharded parameters."""
+    all-gathers (the engine's ``UnshardWork``, one per unit of the call) and gives the module
+    its unsharded parameters."""
 
-    def __init__(self, unit: Unit, work: _forward.UnshardWork) -> None:
-        self._unit: Unit | None = unit
-        self._work = work
+    def __init__(self, works: list[tuple[Unit, _forward.UnshardWork]]) -> None:
+        self._works = works
 
     def wait(self) -> None:
-        unit, self._unit = self._unit, None
-        self._work.wait()
-        handle = unit.handle if unit is not None else None
-        if handle is not None and handle.state == HandleState.UNSHARDED:
-            handle.use_unsharded_views()
+        works, self._works = self._works, []
+        for unit, work in works:
+            work.wait()
+            handle = unit.handle
+            if handle is not None and handle.state == HandleState.UNSHARDED:
+                handle.use_unsharded_views()
 
 
 class FSDPModule:
@@ -86,10 +87,12 @@ class FSDPModule:
         """``to_empty`` (materialising a model sharded on the meta device), ``.to()``,
         ``.half()``...: convert, then give the unit a shard converted the same way and
         re-point the DTensor parameters into it (``_engine.convert``)."""
-        unit = self._unit
-        convert.before_apply(unit)
+        units = self._units(recurse=False)
+        for unit in units:
+            convert.before_apply(unit)
         result = super()._apply(fn, recurse)  # type: ignore[misc]
-        convert.after_apply(unit, fn)
+        for unit in units:
+            convert.after_apply(unit, fn)
         return result
 
     @property
@@ -97,7 +100,10 @@ class FSDPModule:
         return state_of(self).unit  # type: ignore[arg-type]
 
     def _units(self, recurse: bool) -> list[Unit]:
-        return units_in(self) if recurse else [self._unit]  # type: ignore[arg-type]
+        """This call's units (its siblings included), or every unit in the subtree."""
+        if recurse:
+            return units_in(self)  # type: ignore[arg-type]
+        return list(state_of(self).units)  # type: ignore[arg-type]
 
     def _handles(self, recurse: bool) -> list[Any]:
         return [unit.handle for unit in self._units(recurse) if unit.handle is not None]
@@ -106,10 +112,11 @@ class FSDPModule:
         """All-gather the parameters now (e.g. to overlap with other work before forward);
         after ``wait()`` the module holds its unsharded parameters until ``reshard()`` or its
         forward's end."""
-        unit = self._unit
-        if unit.runtime.training_state != TrainingState.IDLE:
-            raise RuntimeError(f"unshard() of '{unit.label}' inside its forward or backward")
-        work = UnshardHandle(unit, _forward.unshard(unit))
+        units = self._units(recurse=False)
+        for unit in units:
+            if unit.runtime.training_state != TrainingState.IDLE:
+                raise RuntimeError(f"unshard() of '{unit.label}' inside its forward or backward")
+        work = UnshardHandle([(unit, _forward.unshard(unit)) for unit in units])
         if async_op:
             return work
         work.wait()
@@ -117,12 +124,12 @@ class FSDPModule:
 
     def reshard(self) -> None:
         """Free the unsharded parameters; the module holds its DTensor parameters again."""
-        unit = self._unit
-        if unit.runtime.training_state != TrainingState.IDLE:
-            raise RuntimeError(f"reshard() of '{unit.label}' inside its forward or backward")
-        handle = unit.handle
-        if handle is not None and handle.state != HandleState.SHARDED:
-            handle.reshard()
+        for unit in self._units(recurse=False):
+            if unit.runtime.training_state != TrainingState.IDLE:
+                raise RuntimeError(f"reshard() of '{unit.label}' inside its forward or backward")
+            handle = unit.handle
+            if handle is not None and handle.state != HandleState.SHARDED:
+                handle.reshard()
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
@@ -145,8 +152,7 @@ class FSDPModule:
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this unit's reduced gradients by ``factor`` instead of the number of data
         parallel ranks."""
-        handle = self._unit.handle
-        if handle is not None:
+        for handle in self._handles(recurse=False):
             handle.gradient_divide_factor = float(factor)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
@@ -171,16 +177,19 @@ class FSDPModule:
         """False: this module's backward does not read its parameters (an embedding: its
         gradient needs only the indices), so the pre-backward hook gathers nothing. Wrong
         if it does read them: they hold no storage then."""
-        self._unit.runtime.unshard_in_backward = unshard_in_backward
+        for unit in self._units(recurse=False):
+            unit.runtime.unshard_in_backward = unshard_in_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """At this module's forward, issue the all-gathers of ``modules`` too (after its own),
         so they overlap its compute; replaces the engine's own choice of the next module."""
-        self._unit.runtime.forward_prefetch_targets = _runtimes(modules, "forward")
+        for unit in self._units(recurse=False):
+            unit.runtime.forward_prefetch_targets = _runtimes(modules, "forward")
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """At this module's pre-backward, issue the all-gathers of ``modules`` too."""
-        self._unit.runtime.backward_prefetch_targets = _runtimes(modules, "backward")
+        for unit in self._units(recurse=False):
+            unit.runtime.backward_prefetch_targets = _runtimes(modules, "backward")
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for torch's API. torch uses it to skip, on all but the last micro-batch's
@@ -329,11 +338,11 @@ class FSDPModule:
 
 
 def _runtimes(modules: list[FSDPModule], direction: str) -> list[UnitRuntime]:
-    runtimes = []
+    runtimes: list[UnitRuntime] = []
     for module in modules:
         if not isinstance(module, FSDPModule):
             raise ValueError(f"Expects FSDPModule but got {type(module)}: {module}")
-        runtimes.append(module._unit.runtime)
+        runtimes.extend(unit.runtime for unit in module._units(recurse=False))
     return runtimes
 
 

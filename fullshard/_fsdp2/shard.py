@@ -47,6 +47,7 @@ from ..api import (
     from_torch,
 )
 from .module import FSDPModule, fsdp_class
+from .placement import ParamGroup, param_groups
 from .state import (
     STATE_ATTR,
     ShardedModule,
@@ -93,24 +94,12 @@ def fully_shard(
         _check_ties_kept(member)
         _check_params(member, ignored_params)
     target = members[0] if len(members) == 1 else _Group(members)
-    reshard_after_forward, post_forward_group = _reshard_group(reshard_after_forward, mesh)
-    settings = _settings(
-        target,
-        mesh,
-        reshard_after_forward,
-        post_forward_group,
-        shard_placement_fn,
-        mp_policy,
-        offload_policy,
-        ignored_params,
-    )
+    groups = param_groups(target, mesh, shard_placement_fn, ignored_params)
     watch_optimizers()
-    unit = build_unit(members[0], target, settings, set(), members[1:])
-    # None: resharded after forward unless the unit turns out to be the root (torch's rule)
-    unit.runtime.reshard_after_forward = reshard_after_forward
-    unit.runtime.reshard_without_backward = False
-    register_state_dict_hooks(unit)
-    state = ShardedModule(unit, mp_policy.output_dtype, members)
+    units = _build_units(
+        members, target, groups, reshard_after_forward, mp_policy, offload_policy, ignored_params
+    )
+    state = ShardedModule(tuple(units), mp_policy.output_dtype, members)
     for member in members:
         member.__dict__[STATE_ATTR] = state
         _mark_in_composable_registry(member)
@@ -120,17 +109,46 @@ def fully_shard(
     return module
 
 
+def _build_units(
+    members: tuple[nn.Module, ...],
+    target: nn.Module,
+    groups: list[ParamGroup],
+    reshard_after_forward: bool | int | None,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+    ignored_params: set[nn.Parameter] | None,
+) -> list[Unit]:
+    """One unit per group of the call's parameters, the first attached to the call's
+    modules and the others its siblings (see [Note: sibling units])."""
+    units: list[Unit] = []
+    for group in groups:
+        _check_mesh(group.mesh)
+        resharding, post_forward_group = _reshard_group(reshard_after_forward, group.mesh)
+        settings = _settings(
+            target, group, resharding, post_forward_group, mp_policy, offload_policy, ignored_params
+        )
+        excluded = {p for other in groups if other is not group for p in other.params}
+        primary = units[0] if units else None
+        unit = build_unit(members[0], target, settings, excluded, members[1:], primary)
+        # None: resharded after forward unless the unit turns out to be the root (torch's rule)
+        unit.runtime.reshard_after_forward = resharding
+        unit.runtime.reshard_without_backward = False
+        register_state_dict_hooks(unit)
+        units.append(unit)
+    return units
+
+
 def _settings(
     target: nn.Module,
-    mesh: DeviceMesh,
+    group: ParamGroup,
     reshard_after_forward: bool | None,
     post_forward_group: dist.ProcessGroup | None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy,
     ignored_params: set[nn.Parameter] | None,
 ) -> Settings:
-    """The engine's settings for a ``fully_shard`` call."""
+    """The engine's settings for the unit of one group of a ``fully_shard`` call."""
+    mesh = group.mesh
     strategy = _strategy(reshard_after_forward, mesh)
     groups: dict[str, Any] = (
         {"device_mesh": mesh} if mesh.ndim == 2 else {"process_group": mesh.get_group(0)}
@@ -138,11 +156,10 @@ def _settings(
     with warnings.catch_warnings():  # FSDP1's warning on one rank; torch's fully_shard has none
         warnings.filterwarnings("ignore", message="FSDP is switching to use `NO_SHARD`")
         settings = _resolve(groups, strategy, mp_policy, offload_policy, ignored_params, mesh)
-    shard_dim = _shard_dims(target, shard_placement_fn, settings.ignored_params, mesh)
     return dataclasses.replace(
         settings,
         dtensor_mesh=mesh,
-        dtensor_shard_dim=shard_dim,
+        dtensor_shard_dim=group.shard_dim(),
         post_forward_group=post_forward_group,
         mp_policy=mp_policy,
     )
@@ -398,80 +415,6 @@ def _strategy(reshard_after_forward: bool | None, mesh: DeviceMesh) -> ShardingS
             else ShardingStrategy._HYBRID_SHARD_ZERO2
         )
     return ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
-
-
-class InvalidShardDimError(ValueError, AssertionError):
-    """``shard_placement_fn`` named a dim the parameter lacks: torch raises an
-    AssertionError, fullshard raised ValueError before, so it is both."""
-
-
-def _shard_dims(
-    module: nn.Module,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
-    ignored: tuple[nn.Parameter, ...],
-    mesh: DeviceMesh,
-) -> Callable[[nn.Parameter], int] | None:
-    """The dim ``shard_placement_fn`` shards each parameter this call manages on (None for
-    every parameter on dim 0), checked: a ``Shard`` of one of the parameter's dims, which
-    splits evenly over the mesh's shard ranks unless it is dim 0 (as torch requires)."""
-    if shard_placement_fn is None:
-        return None
-    num_shards = mesh.size(mesh.ndim - 1)
-    skipped = {id(p) for p in ignored}
-    dims: dict[int, int] = {}
-    for name, param in module.named_parameters():
-        if id(param) in skipped or sharded_by_a_unit(param):  # ignored, or a nested call's
-            continue
-        placement = shard_placement_fn(param)
-        if hasattr(placement, "mesh_info"):  # torch 2.13's ShardPlacementResult
-            placement = _placement_on_call_mesh(placement, mesh, name)
-        if placement is None:
-            continue
-        if type(placement) is not Shard:
-            raise ValueError(
-                f"shard_placement_fn returned {placement!r} for parameter '{name}': fully_shard "
-                "shards a parameter on one dim, Shard(dim) (None: Shard(0))"
-            )
-        dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
-        if not 0 <= dim < param.ndim:
-            raise InvalidShardDimError(
-                f"Shard dim {dim} is invalid for {param.ndim}D tensor: {param.shape}: "
-                f"shard_placement_fn returned Shard({placement.dim}) for parameter '{name}' of "
-                f"shape {tuple(param.shape)}, which has no such dim"
-            )
-        if dim > 0 and param.shape[dim] % num_shards != 0:
-            raise NotImplementedError(
-                f"FSDP does not support uneven sharding on dim {dim}: {param.shape} (world "
-                f"size: {num_shards}): parameter '{name}' has {param.shape[dim]} on dim {dim}; "
-                "shard it on a dim that splits evenly, or on dim 0 (None), which may be uneven"
-            )
-        dims[id(param)] = dim
-    return lambda param: dims.get(id(param), 0)
-
-
-def _placement_on_call_mesh(result: Any, mesh: DeviceMesh, name: str) -> Shard | None:
-    """The placement of torch 2.13's ``ShardPlacementResult`` (a placement and a mesh) when
-    its mesh is the call's own, sharded and replicated over the same dims as the call's.
-    One ``fully_shard`` call shards all its parameters over one mesh in fullshard: a result
-    naming another mesh (expert parallel over per-parameter meshes in one call) raises
-    rather than shard that parameter over the wrong ranks."""
-    info = result.mesh_info
-    replicate_dim = 0 if mesh.ndim == 2 else None
-    same = (
-        info.mesh == mesh
-        and info.shard_mesh_dim == mesh.ndim - 1
-        and getattr(info, "replicate_mesh_dim", None) == replicate_dim
-    )
-    if not same:
-        raise NotImplementedError(
-            f"shard_placement_fn returned a ShardPlacementResult for parameter '{name}' on "
-            f"mesh {info.mesh} (shard dim {info.shard_mesh_dim}), not the fully_shard call's "
-            f"mesh {mesh}: per-parameter meshes in one fully_shard call (expert parallel) are "
-            "not implemented by fullshard yet. Apply fully_shard to the module holding those "
-            "parameters first, with that mesh (e.g. fully_shard(block.moe.experts, "
-            "mesh=expert_dp_mesh)), then to the enclosing module with the data-parallel mesh"
-        )
-    return result.placement
 
 
 def _mixed_precision(policy: MixedPrecisionPolicy) -> MixedPrecision | None:

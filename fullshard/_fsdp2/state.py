@@ -48,7 +48,9 @@ class ShardedModule:
     its unit (the engine's registry holds units weakly) and the FSDP2 options the engine's
     settings do not carry."""
 
-    unit: Unit
+    units: tuple[Unit, ...]
+    """The call's units: the one attached to its modules, then its siblings (parameters on
+    other meshes or in other dtypes, see [Note: sibling units])."""
     output_dtype: torch.dtype | None
     members: tuple[nn.Module, ...]
     """The modules of the call (one, or a group given as a list)."""
@@ -60,6 +62,11 @@ class ShardedModule:
     started: list[nn.Module] = dataclasses.field(default_factory=list)
     """A group in forward: its modules whose forward has begun (one beginning again starts
     the group's next forward: the last one raised before the group's end)."""
+
+    @property
+    def unit(self) -> Unit:
+        """The unit attached to the call's modules (torch's ``fully_shard.state``)."""
+        return self.units[0]
 
     def forget_forward(self) -> None:
         """After a forward raised (``reset_iter_state``): no forward is in progress."""
@@ -98,13 +105,21 @@ def post_forward(
 
 
 def enter(state: ShardedModule, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-    args, kwargs, input_dtype = _forward.before_forward(state.unit, args, kwargs, module.training)
+    """Each unit's pre-forward, the attached one first (it may be the root, which starts
+    the step); the inputs cast as the call's policy says."""
+    training = module.training
+    args, kwargs, input_dtype = _forward.before_forward(state.unit, args, kwargs, training)
+    for sibling in state.units[1:]:
+        args, kwargs, _ = _forward.before_forward(sibling, args, kwargs, training)
     state.input_dtypes.append(input_dtype)
     return args, kwargs
 
 
 def leave(state: ShardedModule, args: Any, kwargs: Any, output: Any) -> Any:
+    """Each unit's post-forward, the attached one last (the root's ends the forward)."""
     input_dtype = state.input_dtypes.pop()
+    for sibling in state.units[:0:-1]:
+        output = _forward.after_forward(sibling, output, None, (args, kwargs))
     output = _forward.after_forward(state.unit, output, input_dtype, (args, kwargs))
     if state.output_dtype is not None:
         output = _forward.cast_floating(state.output_dtype, output)

@@ -849,23 +849,21 @@ def _placement_results() -> None:
     fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: own if p.ndim == 2 else None)
     assert model[0].weight.placements == (Shard(1),) and model[0].bias.placements == (Shard(0),)
     assert model[0].weight.to_local().shape == (6, 2)
-    # on another mesh (expert parallel in one call): refused, naming the parameter
-    other = init_device_mesh("cpu", (2, 1), mesh_dim_names=("ep", "edp"))["edp"]
-    elsewhere = ShardPlacementResult(Shard(0), FSDPMeshInfo(other, shard_mesh_dim=0))
+    # a mesh fully_shard cannot shard over: refused, naming the parameter and the fix
+    mesh_2d = init_device_mesh("cpu", (2, 1), mesh_dim_names=("ep", "edp"))
+    odd = ShardPlacementResult(Shard(0), FSDPMeshInfo(mesh_2d, shard_mesh_dim=0))
     experts = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    with pytest.raises(NotImplementedError, match=r"'1\.weight' on mesh .* per-parameter meshes"):
+    with pytest.raises(ValueError, match=r"'1\.weight' on mesh .* shard_mesh_dim=0 and"):
         fully_shard(
-            experts,
-            mesh=mesh,
-            shard_placement_fn=lambda p: elsewhere if p is experts[1].weight else None,
+            experts, mesh=mesh, shard_placement_fn=lambda p: odd if p is experts[1].weight else None
         )
 
 
-def test_shard_placement_results_on_the_call_mesh_are_used_and_other_meshes_refused() -> None:
+def test_shard_placement_results_are_honoured_and_unshardable_meshes_refused() -> None:
     """torch 2.13's ``ShardPlacementResult`` from ``shard_placement_fn``: its placement is
-    honoured on the call's mesh; on another mesh (per-parameter meshes, expert parallel) a
-    NotImplementedError naming the parameter and the alternative, not a shard over the
-    wrong ranks (before: a ValueError calling the result an invalid placement)."""
+    honoured on the call's mesh; a mesh fully_shard cannot shard over (a dim of a 2-D mesh
+    without its replicate dim) is a ValueError naming the parameter and the meshes it takes
+    (before: a ValueError calling the result an invalid placement)."""
     run_on_ranks(2, _placement_results)
 
 
