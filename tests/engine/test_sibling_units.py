@@ -212,3 +212,97 @@ def test_units_with_mixed_parameter_dtypes_train_as_one_process(
     each module computes in its own dtype, with ``param_dtype`` all compute in it; 4 AdamW
     steps on 2 ranks match one process doing the same."""
     run_on_ranks(2, _train_mixed, policy_dtype)
+
+
+class _ParallelExperts(nn.Module):
+    """Experts split over the expert-parallel ranks (each holds ``_EXPERTS_EP / ep`` of
+    them as a DTensor's local tensor): the ep group's tokens are all-gathered, each rank
+    runs its own experts on all of them, and the outputs are reduce-scattered back (each
+    rank's rows summed over every rank's experts)."""
+
+    def __init__(self, ep_mesh: object) -> None:
+        super().__init__()
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        torch.manual_seed(2)
+        self.ep_group = ep_mesh.get_group()  # type: ignore[attr-defined]
+        self.w1 = nn.Parameter(
+            distribute_tensor(torch.randn(_EXPERTS_EP, _DIM, _HIDDEN) * 0.3, ep_mesh, [Shard(0)])
+        )
+        self.w2 = nn.Parameter(
+            distribute_tensor(torch.randn(_EXPERTS_EP, _HIDDEN, _DIM) * 0.3, ep_mesh, [Shard(0)])
+        )
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        from torch.distributed import _functional_collectives as funcol
+
+        w1, w2 = self.w1.to_local(), self.w2.to_local()  # (E/ep, D, H), (E/ep, H, D)
+        local = w1.shape[0]
+        first = dist.get_rank(self.ep_group) * local
+        tokens = funcol.all_gather_single_autograd(x, 0, self.ep_group)  # (ep*N, D)
+        gates = funcol.all_gather_single_autograd(weights, 0, self.ep_group)  # (ep*N, E)
+        hidden = torch.einsum("nd,edh->enh", tokens, w1).relu()  # (E/ep, ep*N, H)
+        out = torch.einsum("enh,ehd->end", hidden, w2)  # (E/ep, ep*N, D)
+        mine = torch.einsum("end,ne->nd", out, gates[:, first : first + local])
+        return funcol.reduce_scatter_single_autograd(mine, "sum", 0, self.ep_group)  # (N, D)
+
+
+_EXPERTS_EP = 4
+
+
+def _moe_with_expert_parallel(api: str) -> tuple[nn.Module, list[float]]:
+    """(edp 2, ep 2) on 4 ranks, each with its own batch: experts split over ep and sharded
+    over edp (a ``ShardPlacementResult`` on the edp mesh), everything else over all 4."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        ShardPlacementResult,
+    )
+    from torch.distributed.tensor import Shard
+
+    if api == "torch":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from fullshard import fully_shard  # type: ignore[assignment]
+
+    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
+    dp_mesh = world._flatten("dp")
+    experts_info = FSDPMeshInfo(world["edp"], shard_mesh_dim=0)
+    model = _MoE()
+    for block in model.blocks:
+        block.router = nn.Linear(_DIM, _EXPERTS_EP)
+        block.experts = _ParallelExperts(world["ep"])
+    expert_params = {id(p) for block in model.blocks for p in block.experts.parameters()}
+
+    def placement(param: nn.Parameter) -> object:
+        if id(param) in expert_params:
+            return ShardPlacementResult(Shard(0), experts_info)
+        return None
+
+    for block in model.blocks:
+        fully_shard(block, mesh=dp_mesh, shard_placement_fn=placement)
+        # experts' gradients are summed over the ep group's batches: divide by all 4 (with
+        # sums on the wire: gloo has no PREMUL_SUM, which torch would use for the factor)
+        block.set_gradient_divide_factor(4)
+        block.set_force_sum_reduction_for_comms(True)
+    fully_shard(model, mesh=dp_mesh)
+    return model, _train(model, 5, dist.get_rank())
+
+
+def _expert_parallel() -> None:
+    ours, our_losses = _moe_with_expert_parallel("fullshard")
+    theirs, their_losses = _moe_with_expert_parallel("torch")
+    assert our_losses == pytest.approx(their_losses, rel=1e-5), (our_losses, their_losses)
+    for (name, mine), (_, their) in zip(ours.named_parameters(), theirs.named_parameters()):
+        assert mine.placements == their.placements, name
+        assert mine.device_mesh == their.device_mesh, name
+        torch.testing.assert_close(mine.to_local(), their.to_local(), msg=name)
+        torch.testing.assert_close(mine.full_tensor(), their.full_tensor(), msg=name)
+
+
+def test_experts_split_by_expert_parallel_train_as_torch() -> None:
+    """Expert parallel over per-parameter meshes (torchtitan's ``ep_degree > 1`` layout):
+    on (edp 2, ep 2), experts are DTensors split over ep, sharded over edp by a
+    ``ShardPlacementResult``, the rest over all 4 ranks; 5 AdamW steps give torch's FSDP2
+    losses, placements, meshes and parameters."""
+    run_on_ranks(4, _expert_parallel)
