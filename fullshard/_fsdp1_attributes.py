@@ -61,7 +61,7 @@ class TorchAttributes:
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:
-        return self._unit.settings.strategy
+        return self._unit.settings.sharding.strategy
 
     @property
     def mixed_precision(self) -> MixedPrecision:
@@ -94,21 +94,21 @@ class TorchAttributes:
 
     @property
     def rank(self) -> int:
-        return self._unit.settings.groups.shard_rank
+        return self._unit.settings.sharding.groups.shard_rank
 
     @property
     def world_size(self) -> int:
-        return self._unit.settings.groups.shard_size
+        return self._unit.settings.sharding.groups.shard_size
 
     @property
     def process_group(self) -> Any:
-        return self._unit.settings.groups.shard
+        return self._unit.settings.sharding.groups.shard
 
     @property
     def _inter_node_pg(self) -> Any:
         """Hybrid strategies: the group the sharded gradient is all-reduced over (torch's
         name); None otherwise."""
-        return self._unit.settings.groups.replicate
+        return self._unit.settings.sharding.groups.replicate
 
     @property
     def _ignored_modules(self) -> set[nn.Module]:

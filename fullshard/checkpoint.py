@@ -84,7 +84,7 @@ def _uses_fully_shard(model: nn.Module) -> bool:
     and loads it natively (DTensor parameters and optimizer states under the plain model's
     names), where a ``FullyShardedDataParallel`` model goes through FSDP1's methods."""
     units = units_in(model)
-    fsdp2 = [unit for unit in units if unit.settings.dtensor_mesh is not None]
+    fsdp2 = [unit for unit in units if unit.settings.sharding.mesh is not None]
     if fsdp2 and len(fsdp2) != len(units):
         raise ValueError(
             f"{type(model).__name__} holds both FullyShardedDataParallel and fully_shard "
@@ -278,7 +278,7 @@ def _metadata(
         "step": values.get("step"),
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "api": "fully_shard" if _uses_fully_shard(model) else "FullyShardedDataParallel",
-        "sharding_strategies": sorted({unit.settings.strategy.name for unit in units}),
+        "sharding_strategies": sorted({unit.settings.sharding.strategy.name for unit in units}),
         "use_orig_params": bool(units) and units[0].settings.use_orig_params,
         "model": _describe(state["model"]),
         "optimizer": type(optim).__name__ if optim is not None else None,

@@ -45,8 +45,8 @@ def build_unit(
         ignored_params |= nested.ignored_params
     unit = Unit(fsdp_module, module, settings, ignored_modules, ignored_params)
     managed_modules = unit.managed_modules()
-    default_device = init.default_compute_device(settings.groups.shard)
-    if settings.dtensor_mesh is None:  # fully_shard leaves a meta model to its to_empty
+    default_device = init.default_compute_device(settings.sharding.groups.shard)
+    if settings.sharding.mesh is None:  # fully_shard leaves a meta model to its to_empty
         init.materialize(
             managed_modules,
             ignored_params,
@@ -68,7 +68,7 @@ def build_unit(
     )
     buffers = [b for m in managed_modules for b in m.buffers(recurse=False)]
     if settings.sync_module_states:
-        init.sync_module_states([p.detach() for p in params] + buffers, settings.groups)
+        init.sync_module_states([p.detach() for p in params] + buffers, settings.sharding.groups)
     if params:
         unit.set_handle(_make_handle(unit, params, owners, fqns))
     mark_managed(managed_modules)
@@ -86,12 +86,12 @@ def _make_handle(
     fqns: list[str],
 ) -> FlatParamHandle:
     settings = unit.settings
+    sharding = settings.sharding
     handle = FlatParamHandle(
         params,
         owners,
         fqns,
-        settings.groups,
-        settings.strategy,
+        sharding,
         settings.use_orig_params,
         unit.compute_device,
         label=type(unit.module).__name__,
@@ -100,14 +100,12 @@ def _make_handle(
         unsafe_setattr=settings.switches.use_unsafe_setattr,
         dtensor_params=(
             None
-            if settings.dtensor_mesh is None
+            if sharding.mesh is None
             else DTensorParams(
-                settings.dtensor_mesh,
+                sharding.mesh,
                 params,
-                [settings.dtensor_shard_dim(p) for p in params]
-                if settings.dtensor_shard_dim is not None
-                else None,
-                settings.post_forward_group,
+                [sharding.shard_dim(p) for p in params] if sharding.shard_dim is not None else None,
+                sharding.post_forward_group,
                 settings.mp_policy,
             )
         ),

@@ -26,8 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .._comm.groups import ShardingGroups
-from ..api import MixedPrecision, ShardingStrategy
+from ..api import MixedPrecision
 from .dtensor_params import DTensorParams, local_tensor
 from .extensions import AllGatherExtensions, has_extension
 from .flat_segment import FlatParameter, FlatSegment
@@ -35,6 +34,7 @@ from .grads import GradReduction, assign_grad
 from .handle_state import HandleState
 from .layout import ParamSlot, ShardPiece, UnitLayout, make_unit_layout
 from .orig_params import OrigParamViews
+from .sharding import Sharding
 from .summon_views import SummonViews
 
 __all__ = ["FlatParamHandle", "FlatParameter", "HandleState"]
@@ -102,8 +102,7 @@ class FlatParamHandle(OrigParamViews, SummonViews, GradReduction):
         params: list[nn.Parameter],
         owners: list[list[tuple[nn.Module, str]]],
         fqns: list[str],
-        groups: ShardingGroups,
-        strategy: ShardingStrategy,
+        sharding: Sharding,
         use_orig_params: bool,
         device: torch.device,
         label: str,
@@ -116,9 +115,10 @@ class FlatParamHandle(OrigParamViews, SummonViews, GradReduction):
             raise ValueError("a FlatParamHandle needs at least one parameter")
         self._check_uniform_dtype(params, fqns, by_requires_grad=dtensor_params is not None)
         self.label = label
+        groups = sharding.groups
         self.groups = groups
-        self.sharding_strategy = strategy
-        self.uses_sharded_strategy = strategy != ShardingStrategy.NO_SHARD
+        self.sharding_strategy = sharding.strategy  # FSDP1's name, for messages
+        self.uses_sharded_strategy = sharding.split
         self._use_orig_params = use_orig_params
         self._unsafe_setattr = unsafe_setattr
         self._dtensor_params = dtensor_params  # FSDP2's DTensor parameters (dtensor_params.py)

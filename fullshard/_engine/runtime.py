@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..api import BackwardPrefetch, ShardingStrategy
+from ..api import BackwardPrefetch
 from .autograd_graph import (
     ForwardRecord,
     autograd_sequence_nr,
@@ -35,11 +35,10 @@ from .autograd_graph import (
 from .compile import eager
 from .exec_order import validation_enabled
 from .flat_param import FlatParamHandle, HandleState
+from .sharding import Sharding
 from .step import RootState
 
 __all__: list[str] = []
-
-RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 # [Note: the root keeps its parameters]
 # Under FULL_SHARD every unit frees its unsharded parameters after forward, except the root:
@@ -134,15 +133,13 @@ def _prefetch(units: list[UnitRuntime], full_precision: bool) -> None:
 class UnitRuntime:
     """Per-unit runtime state and the hooks that drive it."""
 
-    def __init__(self, handle: FlatParamHandle | None, strategy: ShardingStrategy) -> None:
+    def __init__(self, handle: FlatParamHandle | None, sharding: Sharding) -> None:
         self.handle = handle
-        self.reshard_after_forward: bool | None = (
-            None if strategy in RESHARD_AFTER_FORWARD else False
-        )
+        self.reshard_after_forward: bool | None = sharding.reshard_after_forward
         """Whether post-forward frees the unsharded parameters. None: yes, except the root's
         (see [Note: the root keeps its parameters]); FSDP2's explicit
         ``reshard_after_forward`` and ``set_reshard_after_forward`` give a bool."""
-        self.reshard_without_backward = True
+        self.reshard_without_backward = sharding.reshard_without_backward
         """A forward no backward can follow (grad disabled, or no output requiring grad)
         reshards whatever ``reshard_after_forward`` says (FSDP1's rule). False (FSDP2, as
         torch's): it follows ``reshard_after_forward``, so the root, or a unit set not to

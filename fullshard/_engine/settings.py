@@ -1,8 +1,11 @@
 """A unit's settings: one frozen object, resolved and validated once at construction.
 
-``resolve_settings`` reads FSDP1's constructor options (torch's names, types and error texts);
-the FSDP1 front door exposes the result under torch's attribute names (``sharding_strategy``,
-``cpu_offload``, ``mixed_precision``, ...).
+How the unit shards is a ``Sharding`` (``sharding.py``, [Note: neutral settings]), in neither
+front door's words. ``resolve_settings`` reads FSDP1's constructor options (torch's names,
+types and error texts) and translates its strategy and groups into one; the FSDP1 front door
+exposes the result under torch's attribute names (``sharding_strategy``, ``cpu_offload``,
+``mixed_precision``, ...). FSDP2's front door builds its ``Settings`` from its own options
+(``_fsdp2/shard.py``).
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import _switches
-from .._comm.groups import ShardingGroups, effective_strategy, resolve_groups
+from .._comm.groups import effective_strategy, resolve_groups
 from .._switches import Switches
 from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from . import init
+from .sharding import Sharding, for_strategy
 
 __all__: list[str] = []
 
@@ -35,8 +39,8 @@ _HOMOGENEOUS_FIELDS = dict(
 class Settings:
     """A unit's validated configuration, resolved once from the constructor's arguments."""
 
-    strategy: ShardingStrategy
-    groups: ShardingGroups
+    sharding: Sharding
+    """Which ranks split and replicate the parameters, and when they are resharded."""
     use_orig_params: bool
     backward_prefetch: BackwardPrefetch | None
     forward_prefetch: bool
@@ -54,15 +58,6 @@ class Settings:
     """The environment switches, read as the unit is built, before anything that may
     communicate (ranks that are threads of one process share the environment, and one may set
     it meanwhile)."""
-
-    dtensor_mesh: DeviceMesh | None = None
-    """FSDP2 (``fully_shard``): parameters split on dim 0 over this mesh, DTensors outside
-    forward and backward (see dtensor_params.py); None for FSDP1's flat parameters."""
-    dtensor_shard_dim: Callable[[nn.Parameter], int] | None = None
-    """FSDP2: the dim each parameter is sharded on (``shard_placement_fn``'s; None: dim 0)."""
-    post_forward_group: dist.ProcessGroup | None = None
-    """FSDP2's ``reshard_after_forward=k``: the ``k`` ranks parameters stay sharded over
-    between forward and backward (None: over the whole shard group, or unsharded)."""
     mp_policy: Any = None
     """FSDP2's ``MixedPrecisionPolicy`` as given (all-gather extensions receive it)."""
 
@@ -150,6 +145,7 @@ def resolve_settings(kwargs: dict[str, Any], *, manual: bool = False) -> Setting
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"device_mesh must be a torch.distributed.DeviceMesh or None, got {mesh!r}")
     groups = resolve_groups(strategy, process_group, mesh, manual=manual)
+    sharding = for_strategy(effective_strategy(strategy, groups), groups)
     cpu_offload = kwargs.get("cpu_offload")
     if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
         raise TypeError(f"cpu_offload must be a fullshard.CPUOffload or None, got {cpu_offload!r}")
@@ -163,8 +159,7 @@ def resolve_settings(kwargs: dict[str, Any], *, manual: bool = False) -> Setting
     if param_init_fn is not None and not callable(param_init_fn):
         raise ValueError(f"Expected {param_init_fn} to be callable but got {type(param_init_fn)}")
     return Settings(
-        strategy=effective_strategy(strategy, groups),
-        groups=groups,
+        sharding=sharding,
         use_orig_params=bool(kwargs.get("use_orig_params", False)),
         backward_prefetch=prefetch,
         forward_prefetch=bool(kwargs.get("forward_prefetch", False)),

@@ -65,7 +65,7 @@ class Unit:
         """Where the unit computes (see [Note: devices] in ``init``); set at construction:
         moving the module later must match it."""
         self.handle: FlatParamHandle | None = None
-        self.runtime = UnitRuntime(None, settings.strategy)
+        self.runtime = UnitRuntime(None, settings.sharding)
         self.managed_buffers: list[tuple[nn.Module, str, torch.dtype]] = []
         """Floating-point buffers of this unit (not of nested units) and their own dtypes;
         filled at lazy initialisation."""
@@ -85,7 +85,7 @@ class Unit:
         """Give the unit its handle (once, at construction) and the runtime that drives it."""
         assert self.handle is None, "a unit's handle is set once"
         self.handle = handle
-        self.runtime = UnitRuntime(handle, self.settings.strategy)
+        self.runtime = UnitRuntime(handle, self.settings.sharding)
 
     @property
     def label(self) -> str:

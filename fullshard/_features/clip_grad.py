@@ -82,7 +82,7 @@ def clip_grad_norm_(root: Unit, max_norm: float, norm_type: float) -> torch.Tens
         grad.detach().mul_(clip_coef.to(device=grad.device, dtype=grad.dtype))
     if not all_grads:
         warnings.warn(
-            f"Called FSDP.clip_grad_norm_() on rank {root.settings.groups.shard_rank} with no gradients -- returning "
+            f"Called FSDP.clip_grad_norm_() on rank {root.settings.sharding.groups.shard_rank} with no gradients -- returning "
             f"the total norm in the default dtype {total.dtype}",
             stacklevel=3,
         )

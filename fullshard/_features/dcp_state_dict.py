@@ -95,7 +95,7 @@ def _originals() -> _TorchOriginals:
 
 
 def _fullshard_units(module: nn.Module, root_only: bool = False) -> list[nn.Module]:
-    return [u.fsdp_module for u in units_in(module, root_only) if u.settings.dtensor_mesh is None]
+    return [u.fsdp_module for u in units_in(module, root_only) if u.settings.sharding.mesh is None]
 
 
 def _is_fullshard_unit(module: object) -> TypeGuard[nn.Module]:
@@ -104,7 +104,7 @@ def _is_fullshard_unit(module: object) -> TypeGuard[nn.Module]:
     if not isinstance(module, nn.Module):
         return False
     unit = unit_of(module)
-    return unit is not None and unit.settings.dtensor_mesh is None
+    return unit is not None and unit.settings.sharding.mesh is None
 
 
 # -- FSDP ------------------------------------------------------------------------------------
@@ -237,14 +237,11 @@ def _check_same_sharded_states(optim_state_dict: dict[str, Any], group: Any) -> 
         )
 
 
-_HYBRID = (api.ShardingStrategy.HYBRID_SHARD, api.ShardingStrategy._HYBRID_SHARD_ZERO2)
-
-
 def _fullshard_group(model: nn.Module, group: Any) -> Any:
     """torch passes the first unit's ``process_group``: the shard group, which for hybrid
     strategies is not every rank; fullshard's default (None, the whole world) is right there."""
     for unit in units_in(model):
-        if unit.settings.strategy in _HYBRID:
+        if unit.settings.sharding.hybrid:
             return None
     return group
 

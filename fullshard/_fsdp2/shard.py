@@ -1,8 +1,9 @@
 """``fully_shard``: torch's FSDP2 API, a second front door on the engine FSDP1's uses.
 
-``fully_shard(module)`` builds one unit for ``module`` (``_engine.build``) with
-``Settings.dtensor_mesh`` set: the unit lays its parameters out split on dim 0 and its
-original parameters become ``DTensor`` s (``_engine/dtensor_params.py``), so the optimizer,
+``fully_shard(module)`` builds one unit for ``module`` (``_engine.build``), its options
+translated into the engine's neutral ``Sharding`` (``_engine/sharding.py``) with ``mesh``
+set: the unit lays its parameters out split on dim 0 and its original parameters become
+``DTensor`` s (``_engine/dtensor_params.py``), so the optimizer,
 ``model.state_dict()``, ``torch.nn.utils.clip_grad_norm_`` and torch's checkpoint API see
 what torch's FSDP2 gives them. The unit is driven by module hooks (``state``) instead of a
 wrapper's forward: the same ``before_forward`` / ``after_forward`` the FSDP1 front door
@@ -17,7 +18,6 @@ before the first of them runs forward, resharded after the last, as in torch.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import warnings
 import weakref
@@ -30,20 +30,22 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
+from .. import _switches
+from .._engine import init
 from .._engine.build import build_unit
 from .._engine.dtensor_params import sharded_by_a_unit
 from .._engine.optimizer_check import watch_optimizers
 from .._engine.orig_params import RELEASED
-from .._engine.settings import Settings, resolve_settings
+from .._engine.settings import Settings, resolve_mixed_precision
+from .._engine.sharding import for_mesh
 from .._engine.unit import Unit, unit_of, units_in
 from ..api import (
-    CPUOffload,
+    BackwardPrefetch,
     CPUOffloadPolicy,
     DataParallelMeshDims,
     MixedPrecision,
     MixedPrecisionPolicy,
     OffloadPolicy,
-    ShardingStrategy,
     from_torch,
 )
 from .module import FSDPModule, fsdp_class
@@ -130,9 +132,6 @@ def _build_units(
         excluded = {p for other in groups if other is not group for p in other.params}
         primary = units[0] if units else None
         unit = build_unit(members[0], target, settings, excluded, members[1:], primary)
-        # None: resharded after forward unless the unit turns out to be the root (torch's rule)
-        unit.runtime.reshard_after_forward = resharding
-        unit.runtime.reshard_without_backward = False
         register_state_dict_hooks(unit)
         units.append(unit)
     return units
@@ -147,20 +146,24 @@ def _settings(
     offload_policy: OffloadPolicy,
     ignored_params: set[nn.Parameter] | None,
 ) -> Settings:
-    """The engine's settings for the unit of one group of a ``fully_shard`` call."""
+    """The engine's settings for the unit of one group of a ``fully_shard`` call: FSDP2's
+    options in the engine's neutral terms (see [Note: neutral settings])."""
     mesh = group.mesh
-    strategy = _strategy(reshard_after_forward, mesh)
-    groups: dict[str, Any] = (
-        {"device_mesh": mesh} if mesh.ndim == 2 else {"process_group": mesh.get_group(0)}
-    )
-    with warnings.catch_warnings():  # FSDP1's warning on one rank; torch's fully_shard has none
-        warnings.filterwarnings("ignore", message="FSDP is switching to use `NO_SHARD`")
-        settings = _resolve(groups, strategy, mp_policy, offload_policy, ignored_params, mesh)
-    return dataclasses.replace(
-        settings,
-        dtensor_mesh=mesh,
-        dtensor_shard_dim=group.shard_dim(),
-        post_forward_group=post_forward_group,
+    _, ignored = init.resolve_ignored(None, list(ignored_params or ()))
+    return Settings(
+        sharding=for_mesh(mesh, reshard_after_forward, post_forward_group, group.shard_dim()),
+        use_orig_params=True,
+        backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+        forward_prefetch=False,
+        limit_all_gathers=True,
+        device_id=init.device_from_device_id(_mesh_device(mesh), dist.get_rank()),
+        mixed_precision=resolve_mixed_precision(_mixed_precision(mp_policy)),
+        offload_params=isinstance(offload_policy, CPUOffloadPolicy),
+        ignored_modules=(),
+        ignored_params=ignored,
+        param_init_fn=None,
+        sync_module_states=False,
+        switches=_switches.reload(),
         mp_policy=mp_policy,
     )
 
@@ -186,28 +189,6 @@ def _policy(policy: Any, cls: type, name: str) -> Any:
             f"{policy!r}"
         )
     return policy
-
-
-def _resolve(
-    groups: dict[str, Any],
-    strategy: ShardingStrategy,
-    mp_policy: MixedPrecisionPolicy,
-    offload_policy: OffloadPolicy,
-    ignored_params: set[nn.Parameter] | None,
-    mesh: DeviceMesh,
-) -> Any:
-    """The engine's settings for a ``fully_shard`` call (FSDP1's options it maps onto)."""
-    return resolve_settings(
-        {
-            **groups,
-            "sharding_strategy": strategy,
-            "mixed_precision": _mixed_precision(mp_policy),
-            "cpu_offload": CPUOffload(offload_params=isinstance(offload_policy, CPUOffloadPolicy)),
-            "ignored_states": list(ignored_params or ()),
-            "use_orig_params": True,
-            "device_id": _mesh_device(mesh),
-        }
-    )
 
 
 class _Group(nn.Module):
@@ -403,18 +384,6 @@ def _reshard_group(
     if key not in meshes:
         meshes[key] = DeviceMesh(mesh.device_type, mesh.mesh.view(-1, k))
     return True, meshes[key].get_group(1)
-
-
-def _strategy(reshard_after_forward: bool | None, mesh: DeviceMesh) -> ShardingStrategy:
-    if reshard_after_forward is None:
-        reshard_after_forward = True  # the runtime exempts the root (lazy init decides)
-    if mesh.ndim == 2:
-        return (
-            ShardingStrategy.HYBRID_SHARD
-            if reshard_after_forward
-            else ShardingStrategy._HYBRID_SHARD_ZERO2
-        )
-    return ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
 
 
 def _mixed_precision(policy: MixedPrecisionPolicy) -> MixedPrecision | None:

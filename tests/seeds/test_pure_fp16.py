@@ -61,7 +61,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fullshard import CPUOffload, MixedPrecision
 from fullshard import FullyShardedDataParallel as FSDP
-from fullshard._engine.runtime import RESHARD_AFTER_FORWARD, TrainingState
+from fullshard._engine.runtime import TrainingState
+from fullshard._engine.sharding import RESHARD_AFTER_FORWARD
 from fullshard._engine.unit import handles_in as _get_fsdp_handles
 from harness import run_on_ranks
 from models import NestedWrappedModule, nested_wrap

@@ -83,7 +83,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fullshard.sharded_grad_scaler as sgs
 from fullshard import CPUOffload, MixedPrecision, ShardedGradScaler, ShardingStrategy
 from fullshard import FullyShardedDataParallel as FSDP
-from fullshard._engine.runtime import RESHARD_AFTER_FORWARD, TrainingState
+from fullshard._engine.runtime import TrainingState
+from fullshard._engine.sharding import RESHARD_AFTER_FORWARD
 from fullshard.wrap import ModuleWrapPolicy
 from harness import requires_cuda_gpus, run_on_ranks
 from models import (
