@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from .._comm import collectives as comm
 
@@ -48,6 +49,12 @@ def has_extension(tensor: torch.Tensor) -> bool:
             f"all-gather extensions: {type(tensor).__qualname__}"
         )
     return pre
+
+
+def is_extension_subclass(param: torch.Tensor) -> bool:
+    """A parameter of a tensor subclass that defines the all-gather extension (torchao's
+    float8 weights): it keeps a local tensor of its class under ``fully_shard``."""
+    return type(param) not in (nn.Parameter, torch.Tensor, DTensor) and has_extension(param)
 
 
 def sharded_local(param: torch.Tensor, rank: int, num_shards: int) -> torch.Tensor:

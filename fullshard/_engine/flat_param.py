@@ -24,11 +24,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ..api import MixedPrecision
 from .dtensor_params import DTensorParams, local_tensor
-from .extensions import AllGatherExtensions, has_extension
+from .extensions import AllGatherExtensions, has_extension, is_extension_subclass
 from .flat_segment import FlatParameter, FlatSegment
 from .grads import GradReduction, assign_grad
 from .handle_state import HandleState
@@ -169,11 +168,7 @@ class FlatParamHandle(OrigParamViews, SummonViews, GradReduction):
         extension all-gathers (FSDP2 only)."""
         if dtensor_params is None:
             return set(), None
-        subclasses = {
-            i
-            for i, p in enumerate(params)
-            if type(p) not in (nn.Parameter, torch.Tensor, DTensor) and has_extension(p)
-        }
+        subclasses = {i for i, p in enumerate(params) if is_extension_subclass(p)}
         extensions = AllGatherExtensions(
             dtensor_params.mesh,
             self.groups.shard,
@@ -225,6 +220,7 @@ class FlatParamHandle(OrigParamViews, SummonViews, GradReduction):
                 unsharded_shapes=None
                 if dtensors is None
                 else [dtensors.own_shape(i) for i in indices],
+                from_extensions=all(i in self._extension_subclasses for i in indices),
             )
             segments.append(segment)
         return tuple(segments)

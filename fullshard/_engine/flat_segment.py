@@ -119,8 +119,13 @@ class FlatSegment:
         shard_dims: list[int] | None = None,
         post_forward_group: dist.ProcessGroup | None = None,
         unsharded_shapes: list[torch.Size] | None = None,
+        from_extensions: bool = False,
     ) -> None:
         assert len(params) == len(indices) == len(layout.slots)
+        self.from_extensions = from_extensions
+        """Every parameter's unsharded tensor comes from its all-gather extension: the flat
+        shard holds only zeros in their places, so it is not all-gathered (see [Note:
+        all-gather extensions])."""
         self._shard_dims = shard_dims
         """Dim-0 layouts: per slot, the dim its parameter is sharded on (the layout holds it
         moved to dim 0; see [Note: sharding on another dim] in dtensor_params.py)."""
@@ -128,7 +133,11 @@ class FlatSegment:
         """Dim-0 layouts: per slot, its parameter's unsharded shape (None: the slot's)."""
         self._post_forward: PostForwardShard | None = None
         """``reshard_after_forward=k``: the parameters kept over ``k`` ranks after forward."""
-        if post_forward_group is not None and isinstance(layout, Dim0Layout):
+        if (
+            post_forward_group is not None
+            and isinstance(layout, Dim0Layout)
+            and not from_extensions
+        ):
             if any(shard_dims or ()):
                 raise NotImplementedError(
                     "reshard_after_forward as an int is not implemented by fullshard for "
@@ -325,6 +334,9 @@ class FlatSegment:
         self.active = unsharded = self.unsharded_for(dtype)
         if unsharded.aliases_shard:
             self._copy_out()
+            return False
+        if self.from_extensions and unsharded.params is not None:
+            unsharded.params_gathered = True  # nothing to gather: the extensions deliver
             return False
         post_forward = self._post_forward
         if post_forward is not None and post_forward.shard is not None:

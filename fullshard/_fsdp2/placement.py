@@ -6,22 +6,26 @@ unit (see [Note: sibling units] in ``_engine/unit.py``).
 placement and a mesh of the parameter's own (``FSDPMeshInfo`` for a 1-D mesh,
 ``HSDPMeshInfo`` for a 2-D (replicate, shard) one), e.g. experts sharded over the
 expert-data-parallel mesh beside the rest of a block over the data-parallel mesh. The call's
-parameters are grouped by mesh, as torch groups them by process group, and a mesh's group
-that mixes dtypes (bf16 weights, fp32 norms) is split by dtype: one unit per group.
+parameters are grouped by mesh, as torch groups them by process group; a mesh's group
+that mixes dtypes (bf16 weights, fp32 norms) is split by dtype, and parameters whose
+all-gather extension builds their unsharded tensors (torchao's float8 weights) go in a group
+of their own, so that only the extension's bytes go on the wire (see [Note: all-gather
+extensions]): one unit per group.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from .._engine.dtensor_params import sharded_by_a_unit
+from .._engine.extensions import is_extension_subclass
 
 __all__: list[str] = []
 
@@ -73,6 +77,7 @@ def param_groups(
         if dim:
             group.dims[id(param)] = dim
     groups = [g for i, g in enumerate(by_mesh.values()) if i == 0 or g.params]
+    groups = [split for group in groups for split in _split_extensions(group)]
     return [split for group in groups for split in _split_by_dtype(group)]
 
 
@@ -134,6 +139,25 @@ def _shard_dim(placement: Any, param: nn.Parameter, name: str, mesh: DeviceMesh)
     return dim
 
 
+def _split_extensions(group: ParamGroup) -> list[ParamGroup]:
+    """``group``, or its parameters without all-gather extensions and those with them."""
+    extended = [is_extension_subclass(p) for p in group.params]
+    if all(extended) or not any(extended):
+        return [group]
+    return [_subgroup(group, lambda i: not extended[i]), _subgroup(group, lambda i: extended[i])]
+
+
+def _subgroup(group: ParamGroup, keep: Callable[[int], bool]) -> ParamGroup:
+    """The parameters of ``group`` whose index ``keep`` takes, with their dims."""
+    part = ParamGroup(group.mesh)
+    for index, param in enumerate(group.params):
+        if keep(index):
+            part.params.append(param)
+            if id(param) in group.dims:
+                part.dims[id(param)] = group.dims[id(param)]
+    return part
+
+
 def _split_by_dtype(group: ParamGroup) -> list[ParamGroup]:
     """``group`` as it is when one unit can hold it (one dtype among its trainable
     parameters and one among its frozen ones: a flat segment each), else one group per
@@ -144,10 +168,11 @@ def _split_by_dtype(group: ParamGroup) -> list[ParamGroup]:
     )
     if uniform:
         return [group]
-    by_dtype: dict[torch.dtype, ParamGroup] = {}
-    for param in group.params:
-        split = by_dtype.setdefault(param.dtype, ParamGroup(group.mesh))
-        split.params.append(param)
-        if id(param) in group.dims:
-            split.dims[id(param)] = group.dims[id(param)]
-    return list(by_dtype.values())
+    dtypes = [p.dtype for p in group.params]
+    return [
+        _subgroup(group, functools.partial(_is, dtypes, dtype)) for dtype in dict.fromkeys(dtypes)
+    ]
+
+
+def _is(values: list[Any], value: Any, index: int) -> bool:
+    return bool(values[index] == value)

@@ -1,0 +1,81 @@
+"""torchao's float8 training under ``fully_shard``: its weights all-gather 1-byte float8
+through FSDP2's all-gather extension (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``),
+on CPU as torchao runs there. See [Note: all-gather extensions]."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from harness import run_on_ranks
+
+_WIDTHS = (16, 32, 48, 16)
+"""float8 matrix products need dims divisible by 16."""
+
+
+def _float8_model() -> nn.Module:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for width_in, width_out in itertools.pairwise(_WIDTHS):
+        layers += [nn.Linear(width_in, width_out), nn.ReLU()]
+    model = nn.Sequential(*layers[:-1])
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(model, config=config)
+    return model
+
+
+def _train(api: str, steps: int) -> tuple[nn.Module, list[float], float]:
+    """Returns the model, the losses, and (fullshard) the all-gather bytes of the last step."""
+    if api == "torch":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from fullshard import fully_shard  # type: ignore[assignment]
+    from fullshard._comm.collectives import COUNTERS
+
+    model = _float8_model()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        COUNTERS.reset()
+        batch = torch.randn(8, _WIDTHS[0], generator=torch.Generator().manual_seed(step))
+        batch = batch + dist.get_rank()
+        loss = model(batch).square().mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return model, losses, COUNTERS.bytes_sent["all_gather"]
+
+
+def _float8_parity() -> None:
+    ours, our_losses, gathered = _train("fullshard", 4)
+    theirs, their_losses, _ = _train("torch", 4)
+    assert our_losses == pytest.approx(their_losses, rel=1e-5), (our_losses, their_losses)
+    for (name, mine), their in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(
+            mine.to_local().float(), their.to_local().float(), msg=name, rtol=1e-5, atol=1e-6
+        )
+    # per step, each block's weight gathered twice (forward, backward) as float8 (1 byte per
+    # element) and its bias as float32, every rank sending half: no float32 weight bytes
+    num_ranks = dist.get_world_size()
+    weights = sum(a * b for a, b in itertools.pairwise(_WIDTHS))
+    biases = sum(_WIDTHS[1:])
+    expected = 2 * (weights * 1 + biases * 4) * (num_ranks - 1) / num_ranks
+    assert gathered == expected, (gathered, expected)
+
+
+def test_torchao_float8_all_gathers_float8_bytes_and_trains_as_torch() -> None:
+    """torchao's float8 training (``enable_fsdp_float8_all_gather``) on 2 ranks: 4 AdamW
+    steps give torch's FSDP2 losses and parameters, and the all-gathers carry the float8
+    weights' bytes (1 per element) plus the float32 biases', nothing more."""
+    run_on_ranks(2, _float8_parity)
