@@ -98,6 +98,25 @@ class Unsharded:
     (torch's ``unsharded_accumulated_grad``), taken off the leaf after each backward."""
 
 
+def _post_forward_shard(
+    layout: FlatLayout,
+    group: dist.ProcessGroup | None,
+    shard_dims: list[int] | None,
+    from_extensions: bool,
+) -> PostForwardShard | None:
+    """What keeps a dim-0 segment's parameters over ``group``'s ``k`` ranks between forward
+    and backward (None: nothing, or extensions that gather on their own)."""
+    if group is None or not isinstance(layout, Dim0Layout) or from_extensions:
+        return None
+    if any(shard_dims or ()):
+        raise NotImplementedError(
+            "reshard_after_forward as an int is not implemented by fullshard for "
+            "parameters sharded on another dim than 0 (shard_placement_fn); use True "
+            "or False, or shard them on dim 0"
+        )
+    return PostForwardShard(layout, group)
+
+
 class FlatSegment:
     """The storage of one flat segment: its shard, its unsharded buffers, its all-gather.
 
@@ -131,20 +150,10 @@ class FlatSegment:
         moved to dim 0; see [Note: sharding on another dim] in dtensor_params.py)."""
         self._unsharded_shapes = unsharded_shapes
         """Dim-0 layouts: per slot, its parameter's unsharded shape (None: the slot's)."""
-        self._post_forward: PostForwardShard | None = None
+        self._post_forward = _post_forward_shard(
+            layout, post_forward_group, shard_dims, from_extensions
+        )
         """``reshard_after_forward=k``: the parameters kept over ``k`` ranks after forward."""
-        if (
-            post_forward_group is not None
-            and isinstance(layout, Dim0Layout)
-            and not from_extensions
-        ):
-            if any(shard_dims or ()):
-                raise NotImplementedError(
-                    "reshard_after_forward as an int is not implemented by fullshard for "
-                    "parameters sharded on another dim than 0 (shard_placement_fn); use True "
-                    "or False, or shard them on dim 0"
-                )
-            self._post_forward = PostForwardShard(layout, post_forward_group)
         self._after_gather: Callable[[], None] | None = None
         self.layout = layout
         self.indices = indices
