@@ -44,7 +44,11 @@ from torch import nn
 from fullshard.cli.plan import ModelShape, gpt_shape, make_plan
 from fullshard.examples.gpt import GPT, Block, GPTConfig, num_params
 
-ENGINES = ["local", "ddp", "fsdp1", "fsdp2", "fullshard", "fullshard-fsdp2"]
+ENGINES = ["local", "ddp", "fsdp1", "fsdp2", "fullshard", "fullshard-fsdp2", "fullshard-fsdp2-int8"]
+"""``fullshard-fsdp2-int8``: the FSDP2 door with compressed communication
+(``fullshard.compress``: weights all-gathered as int8, gradients reduced in bf16); not in
+the default list, as its numbers are not the same computation's."""
+DEFAULT_ENGINES = ENGINES[:-1]
 TORCH_ENGINES = ("fsdp1", "fsdp2")
 """Engines defined in `TORCH_ENGINES_FILE`."""
 TORCH_ENGINES_FILE = Path(__file__).resolve().parents[2] / "benchmarks" / "torch_fsdp.py"
@@ -166,10 +170,15 @@ def _wrap(
     import fullshard
     from fullshard.wrap import ModuleWrapPolicy as OurPolicy
 
-    if engine == "fullshard-fsdp2":  # fullshard's fully_shard, as torch's FSDP2 is applied
+    if engine.startswith("fullshard-fsdp2"):  # fullshard's fully_shard, as torch's FSDP2 is
         reshard = args.strategy == "FULL_SHARD"
         policy = fullshard.MixedPrecisionPolicy(torch.bfloat16, torch.bfloat16) if bf16 else None
         options: dict[str, Any] = {"reshard_after_forward": reshard}
+        if engine == "fullshard-fsdp2-int8":
+            from fullshard.compress import bf16_gradients, int8_all_gather
+
+            int8_all_gather(model)
+            policy = bf16_gradients(policy)
         if policy is not None:
             options["mp_policy"] = policy
         for module in [m for m in model.modules() if isinstance(m, Block)] + [model]:
@@ -410,8 +419,8 @@ def main(argv: list[str] | None = None) -> int:
 def _available_engines() -> list[str]:
     """The engines this installation can run: torch's need `TORCH_ENGINES_FILE`."""
     if TORCH_ENGINES_FILE.exists():
-        return ENGINES
-    return [e for e in ENGINES if e not in TORCH_ENGINES]
+        return DEFAULT_ENGINES
+    return [e for e in DEFAULT_ENGINES if e not in TORCH_ENGINES]
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -423,7 +432,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--engines",
         default=",".join(available),
-        help=f"comma-separated, from {ENGINES} (default: {','.join(available)})",
+        help=f"comma-separated, from {ENGINES} (default: {','.join(available)}); "
+        "fullshard-fsdp2-int8 is the FSDP2 door with int8 weight all-gathers and bf16 "
+        "gradient reductions (fullshard.compress)",
     )
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -451,7 +462,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = sorted(set(args.engines) - set(ENGINES))
     if unknown:
         parser.error(f"unknown engines {unknown}; choose from {ENGINES}")
-    missing = sorted(set(args.engines) - set(available))
+    missing = sorted(set(args.engines) & set(TORCH_ENGINES) - set(available))
     if missing:
         parser.error(
             f"engines {missing} are torch's FSDP, defined in {TORCH_ENGINES_FILE}, which this "
