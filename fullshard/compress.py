@@ -142,7 +142,7 @@ class Int8AllGatherWeight(torch.Tensor):
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
                 out.copy_(full[: out.shape[0]])
             return None
-        return full, (values,)
+        return full, (values, full)  # both freed at reshard
 
 
 def int8_all_gather(module: nn.Module) -> int:

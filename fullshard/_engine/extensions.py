@@ -18,8 +18,13 @@ that defines them, or methods set on the local tensor object itself, as torch al
 A parameter whose class defines the methods when ``fully_shard`` meets it keeps a local
 tensor of that class (its ``torch.chunk`` piece, padded as torch pads it): the optimizer
 updates that object, which the unit's flat shard does not hold. Its place in the flat
-layout carries only its gradient (the all-gather of the flat shard still moves the place's
-bytes, zeros: the extension's bytes are on top of them).
+layout carries only its gradient. ``fully_shard`` gives such parameters a unit of their own
+(``_fsdp2/placement.py``) whose flat shard is never all-gathered (``FlatSegment
+.from_extensions``), so the wire carries the extension's bytes only. As torch's FSDP2 does,
+the output buffers and the post-hook's tensors are kept from one unshard to the next with
+their storage freed at reshard (autograd may have saved the unsharded tensor for backward):
+the next unshard gathers into the same buffers and calls the post-hook with ``out=`` the
+same unsharded tensor, so a saved tensor sees the refilled values.
 """
 
 from __future__ import annotations
@@ -83,6 +88,37 @@ class _Gather:
     works: list[comm.Pending] = field(default_factory=list)
 
 
+@dataclass
+class _Kept:
+    """One parameter's unsharded tensor and the buffers behind it, kept (their storage freed)
+    from one unshard to the next, as torch's FSDP2 keeps them: autograd may have saved the
+    tensor for backward, whose unshard refills the same storage (``out=``)."""
+
+    outputs: list[torch.Tensor]
+    """The all-gather's output buffers, gathered into again."""
+    unsharded: torch.Tensor
+    """What modules compute with (the post-hook's tensor, viewed in the parameter's shape)."""
+    to_free: list[torch.Tensor]
+    """The output buffers and the post-hook's tensors to free at reshard."""
+    nbytes: list[int]
+    """Their storage's size in bytes, allocated again at the next unshard."""
+    dtype: torch.dtype
+
+
+def _free(tensor: torch.Tensor) -> None:
+    if type(tensor) is torch.Tensor:  # a subclass frees through its own inner tensors
+        tensor.untyped_storage().resize_(0)
+
+
+def _allocate(tensor: torch.Tensor, nbytes: int) -> None:
+    if type(tensor) is torch.Tensor and tensor.untyped_storage().nbytes() != nbytes:
+        tensor.untyped_storage().resize_(nbytes)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().nbytes() if type(tensor) is torch.Tensor else 0
+
+
 class AllGatherExtensions:
     """A unit's extension all-gathers (see [Note: all-gather extensions])."""
 
@@ -105,30 +141,37 @@ class AllGatherExtensions:
         self._pending: list[_Gather] = []
         self.unsharded: dict[int, torch.Tensor] = {}
         """Parameter index -> its unsharded tensor built by ``fsdp_post_all_gather``."""
-        self._to_free: list[torch.Tensor] = []
+        self._kept: dict[int, _Kept] = {}
 
     def issue(self, locals_: dict[int, torch.Tensor], device: torch.device, label: str) -> None:
         """Run the pre-hooks of the parameters in ``locals_`` (index -> local tensor) and issue
-        their all-gathers."""
+        their all-gathers (into the last unshard's buffers, where they fit)."""
         num_ranks = dist.get_world_size(self._group)
         for index, local in locals_.items():
             if local.device != device:
                 local = local.to(device)
             inputs, metadata = self._pre_all_gather(index, local)
             inputs = [t.contiguous() for t in inputs]
-            gather = _Gather(
-                index,
-                local,
-                inputs,
-                [t.size() for t in inputs],
-                metadata,
-                [t.new_empty(t.numel() * num_ranks) for t in inputs],
-            )
+            outputs = self._outputs(index, inputs, num_ranks)
+            gather = _Gather(index, local, inputs, [t.size() for t in inputs], metadata, outputs)
             gather.works = [
                 comm.all_gather_into(out, t.view(-1), self._group, f"{label} (extension)")
                 for out, t in zip(gather.outputs, inputs)
             ]
             self._pending.append(gather)
+
+    def _outputs(
+        self, index: int, inputs: list[torch.Tensor], num_ranks: int
+    ) -> list[torch.Tensor]:
+        """The kept buffers, their storage allocated again, if they fit ``inputs``; else new."""
+        kept = self._kept.get(index)
+        wanted = [(t.numel() * num_ranks, t.dtype) for t in inputs]
+        if kept is None or [(o.numel(), o.dtype) for o in kept.outputs] != wanted:
+            self._kept.pop(index, None)
+            return [t.new_empty(t.numel() * num_ranks) for t in inputs]
+        for out in kept.outputs:
+            _allocate(out, out.numel() * out.element_size())
+        return kept.outputs
 
     def _pre_all_gather(self, index: int, local: torch.Tensor) -> tuple[list[torch.Tensor], Any]:
         hook = local.fsdp_pre_all_gather  # type: ignore[attr-defined]
@@ -144,7 +187,8 @@ class AllGatherExtensions:
 
     def wait(self, param_dtypes: dict[int, torch.dtype]) -> None:
         """Wait for the all-gathers and build the unsharded parameters (``param_dtypes``:
-        index -> the dtype to build in)."""
+        index -> the dtype to build in): into the last unshard's tensor (``out=``) where it
+        was kept in that dtype, else a new one."""
         pending, self._pending = self._pending, []
         for gather in pending:
             for work in gather.works:
@@ -153,17 +197,44 @@ class AllGatherExtensions:
                 out.view(-1, *size[1:]) for out, size in zip(gather.outputs, gather.sizes)
             )
             hook = gather.local.fsdp_post_all_gather  # type: ignore[attr-defined]
-            unsharded, to_free = hook(outputs, gather.metadata, param_dtypes[gather.index])
-            shape = self._shapes[gather.index]
-            stride = torch.empty(shape, device="meta").stride()
-            self.unsharded[gather.index] = torch.as_strided(unsharded, shape, stride, 0)
-            self._to_free.extend(to_free)
+            dtype = param_dtypes[gather.index]
+            kept = self._kept.get(gather.index)
+            if kept is not None and kept.dtype == dtype and kept.outputs is gather.outputs:
+                for tensor, nbytes in zip(kept.to_free, kept.nbytes):
+                    _allocate(tensor, nbytes)
+                hook(outputs, gather.metadata, dtype, out=kept.unsharded)
+            else:
+                unsharded, to_free = hook(outputs, gather.metadata, dtype)
+                kept = self._keep(gather, unsharded, to_free, dtype)
+            self.unsharded[gather.index] = kept.unsharded
+
+    def _keep(
+        self, gather: _Gather, unsharded: torch.Tensor, to_free: Any, dtype: torch.dtype
+    ) -> _Kept:
+        shape = self._shapes[gather.index]
+        stride = torch.empty(shape, device="meta").stride()
+        tensors = [
+            *gather.outputs,
+            *(t for t in to_free if all(t is not o for o in gather.outputs)),
+        ]
+        kept = _Kept(
+            gather.outputs,
+            torch.as_strided(unsharded, shape, stride, 0),
+            tensors,
+            [_nbytes(t) for t in tensors],
+            dtype,
+        )
+        self._kept[gather.index] = kept
+        return kept
 
     def reshard(self) -> None:
-        """Drop the unsharded tensors (and what the post-hooks asked to free)."""
+        """Drop the unsharded tensors and free the storage behind them (what autograd saved
+        of them holds none until the next unshard refills it, as torch's FSDP2 does)."""
         for gather in self._pending:
             for work in gather.works:
                 work.wait()
         self._pending = []
         self.unsharded = {}
-        self._to_free = []
+        for kept in self._kept.values():
+            for tensor in kept.to_free:
+                _free(tensor)

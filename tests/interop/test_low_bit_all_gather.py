@@ -106,11 +106,25 @@ def _int8_train(api: str, compress: bool) -> tuple[nn.Module, list[float], float
         COUNTERS.reset()
         batch = torch.randn(6, _SHAPES[0][0], generator=torch.Generator().manual_seed(step))
         loss = model(batch + dist.get_rank()).square().mean()
+        if api == "fullshard" and compress:
+            assert _held_unsharded_bytes(model[0]) == _held_unsharded_bytes(model[2]) == 0
         loss.backward()
         optim.step()
         optim.zero_grad()
         losses.append(loss.item())
     return model, losses, COUNTERS.bytes_sent["all_gather"]
+
+
+def _held_unsharded_bytes(module: nn.Module) -> int:
+    """Bytes the extension tensors of ``module``'s call hold (its weight's unit, beside its
+    bias's): none between forward and backward, though autograd saved them."""
+    from fullshard import fully_shard
+
+    units = fully_shard.state(module).siblings  # type: ignore[attr-defined]
+    assert len(units) == 1, "the weight's unit beside the bias's"
+    kept = units[0].handle._extensions._kept
+    assert kept, "the forward built the weight from its int8 all-gather"
+    return sum(t.untyped_storage().nbytes() for k in kept.values() for t in k.to_free)
 
 
 def _int8_parity() -> None:
@@ -143,5 +157,6 @@ def test_int8_all_gather_sends_int8_rows_and_trains_as_torch() -> None:
     scale per column) on 2 ranks, one with rows that do not split evenly: 5 AdamW steps
     give torch's FSDP2 losses and parameters with the same subclass, within 2% of the
     uncompressed run's losses, and the all-gathers carry the int8 rows and the float32
-    biases: under 0.3x the uncompressed bytes."""
+    biases: under 0.3x the uncompressed bytes. Between forward and backward the weights'
+    unsharded tensors hold no storage (freed at reshard, refilled in place for backward)."""
     run_on_ranks(2, _int8_parity)
