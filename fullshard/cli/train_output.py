@@ -121,7 +121,8 @@ def write_report(config: TrainConfig, report: dict[str, Any]) -> tuple[Path, Pat
     ax_mem.set_title(report["memory_kind"])
     ax_mem.legend(fontsize=8)
     fig.suptitle(
-        f"fullshard train --api {config.api}: {report['world_size']} ranks, "
+        f"fullshard train --api {config.api}: {report['world_size']} ranks"
+        f"{f' (tp {config.tp})' if config.tp > 1 else ''}, "
         f"{config.sharding_strategy}, "
         f"{report['params'] / 1e6:.2f}M params"
     )
