@@ -207,14 +207,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         )
     if not args.timeout > 0:
         parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    _check_tp(args, parser)
-    if args.api == "fsdp2":
-        _check_fsdp2(args, parser)
-    elif args.reshard_after_forward is not None:
-        parser.error(
-            "--reshard-after-forward is fully_shard's option: add --api fsdp2, or with --api "
-            "fsdp1 use --sharding-strategy FULL_SHARD (true) or SHARD_GRAD_OP (false)"
-        )
+    _check_api_options(args, parser)
     if args.resume and args.overwrite:
         parser.error("--resume and --overwrite contradict each other; pick one")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -252,6 +245,18 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         reshard_after_forward=args.reshard_after_forward,
         tp=args.tp,
     )
+
+
+def _check_api_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuse the options the chosen ``--api`` does not take."""
+    _check_tp(args, parser)
+    if args.api == "fsdp2":
+        _check_fsdp2(args, parser)
+    elif args.reshard_after_forward is not None:
+        parser.error(
+            "--reshard-after-forward is fully_shard's option: add --api fsdp2, or with --api "
+            "fsdp1 use --sharding-strategy FULL_SHARD (true) or SHARD_GRAD_OP (false)"
+        )
 
 
 def _check_fsdp2(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -5,6 +5,7 @@ mesh, run as a user would (``python -m fullshard``, gloo CPU ranks, the tiny pre
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -105,16 +106,21 @@ def test_train_tp_stopped_run_resumes_to_the_uninterrupted_curve(
 ) -> None:
     """A --tp 2 run stopped by SIGTERM after a checkpoint (DCP, parameters and Adam's state
     as DTensors on the (dp, tp) mesh and on its dp dim), resumed with --resume, ends with the
-    uninterrupted run's 24 losses."""
+    uninterrupted run's 24 losses; resumed instead with --tp 1 on 2 ranks (resharded by DCP)
+    it ends with those of the uninterrupted --tp 1 run, and its report and chart cover both
+    world sizes."""
     out = tmp_path / "stopped"
     saved_step = _stop_after_checkpoint(out)
     saved = json.loads((out / "checkpoint" / "fullshard.json").read_text())
     assert saved["api"] == "fully_shard"
-    result = _run(["train", *TINY, *STEPS, *CLIP, *TP2, "--resume", "--out", str(out)])
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads((out / "report.json").read_text())
-    assert report["resumed_at"] == [saved_step]
-    _assert_same_curve(report["losses"], uninterrupted["tp2"]["losses"])
+    shutil.copytree(out, tmp_path / "as_tp1")
+    for folder, options, tp in ((out, TP2, 2), (tmp_path / "as_tp1", TP1, 1)):
+        args = [*TINY, *STEPS, *CLIP, *options, "--resume", "--out", str(folder)]
+        result = _run(["train", *args])
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        report = json.loads((folder / "report.json").read_text())
+        assert report["resumed_at"] == [saved_step] and report["tp"] == tp
+        _assert_same_curve(report["losses"], uninterrupted[f"tp{tp}"]["losses"])
 
 
 def test_train_tp_misuse_is_refused_before_the_ranks_start() -> None:
