@@ -362,7 +362,7 @@ def gpt_activations(
 ) -> int:
     """Bytes autograd saves for backward in ``fullshard.examples.gpt.GPT``, plus the
     gradient workspace of one block. Per block, in units of ``batch * seq_len * d_model``
-    elements: 2 layer-norm inputs and 2 outputs, the qkv projection (3), the attention
+    elements: 2 layer-norm inputs and 2 outputs, the q, k and v projections (3), the attention
     output and the projection input (2), the two residual sums (2), and the MLP's hidden
     activation before and after the GELU (2 * mlp_ratio). The logits and their softmax
     (``batch * seq_len * vocab`` each) and one block's worth of gradients in flight."""

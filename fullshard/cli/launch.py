@@ -202,13 +202,33 @@ def main(argv: list[str]) -> int:
                 "without --out each machine would name its own from its clock)"
             )
         config = replace(config, out=time.strftime("runs/%Y%m%d-%H%M%S"))
-    problem = checkpoint_problem(config, config.resume) or _reshard_problem(config, args)
+    problem = (
+        checkpoint_problem(config, config.resume)
+        or _tp_world_problem(config, args)
+        or _reshard_problem(config, args)
+    )
     if problem is not None:  # refused before any rank starts
         parser.error(problem)
     launch_args, worker_argv = launcher.parse_known_args(argv)
     worker_argv = [*worker_argv, "--out", str(config.out)]  # the last --out wins
     launch = [*_launcher_argv(launch_args, parser), "-m", "fullshard.cli.train", *worker_argv]
     return _launch(launch, Path(str(config.out)))
+
+
+def _tp_world_problem(config: TrainConfig, args: argparse.Namespace) -> str | None:
+    """``--tp`` that does not divide the ranks (an elastic ``--nnodes MIN:MAX`` world is
+    left to the ranks, which raise the same)."""
+    if config.tp == 1 or not args.nnodes.isdigit():
+        return None
+    world_size = args.nproc_per_node * int(args.nnodes)
+    if world_size % config.tp == 0:
+        return None
+    nodes = f" x --nnodes {args.nnodes}" if int(args.nnodes) > 1 else ""
+    return (
+        f"--tp {config.tp} must divide the {world_size} ranks (--ranks {args.nproc_per_node}"
+        f"{nodes}): each data-parallel rank is --tp ranks; pick --ranks so that it does, or "
+        "another --tp"
+    )
 
 
 def _reshard_problem(config: TrainConfig, args: argparse.Namespace) -> str | None:

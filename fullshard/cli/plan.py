@@ -59,6 +59,7 @@ __all__ = [
     "main",
     "make_plan",
     "shape_from_hf_config",
+    "tp_problem",
 ]
 
 
@@ -140,7 +141,7 @@ def make_plan(
     ``post_forward_shards`` is ``reshard_after_forward=k``'s ``k``, and ``tp`` the
     tensor-parallel ranks inside each data-parallel rank (``shard_group_size`` then counts
     data-parallel ranks)."""
-    _check_api(api, strategy, post_forward_shards, _tp_problem(shape, world_size, tp, api))
+    _check_api(api, strategy, post_forward_shards, tp_problem(shape, world_size, tp, api))
     param_bytes = _DTYPE_BYTES[param_dtype]
     compute_dtype = param_dtype if mixed_precision == "none" else mixed_precision
     compute_bytes = _DTYPE_BYTES[compute_dtype]
@@ -183,26 +184,27 @@ def _offloaded(resident: MemoryEstimate) -> tuple[MemoryEstimate, int]:
 
 
 def _check_api(
-    api: str, strategy: str, post_forward_shards: int | None, tp_problem: str | None
+    api: str, strategy: str, post_forward_shards: int | None, tp_error: str | None
 ) -> None:
-    if tp_problem:
-        raise ValueError(tp_problem)
+    if tp_error:
+        raise ValueError(tp_error)
     if api == "fsdp2" and strategy not in _FSDP2_STRATEGIES.values():
         raise ValueError(f"fully_shard has no {strategy}; see fsdp2_strategy")
     if post_forward_shards is not None and api != "fsdp2":
         raise ValueError("post_forward_shards is fully_shard's reshard_after_forward=k")
 
 
-def _tp_problem(shape: ModelShape, world_size: int, tp: int, api: str) -> str | None:
+def tp_problem(shape: ModelShape, world_size: int | None, tp: int, api: str) -> str | None:
     """Why ``tp`` tensor-parallel ranks cannot be planned, in the command's flags (None: they
-    can); `make_plan` raises it, ``fullshard plan`` reports it as a usage error."""
+    can); `make_plan` raises it, ``fullshard plan`` and ``fullshard train`` report it as a
+    usage error. ``world_size`` None: not known yet (``fullshard train`` checks it apart)."""
     if tp == 1:
         return None
     if tp < 1:
         return f"--tp must be positive, got {tp}"
     if api != "fsdp2":
         return f"--tp {tp} composes tensor parallelism with fully_shard: add --api fsdp2"
-    if world_size % tp:
+    if world_size is not None and world_size % tp:
         return f"--world-size {world_size} must be a multiple of --tp {tp}"
     problem = shape.tp_problem(tp)
     return f"{problem} ({shape.name}): pick a --tp that divides them" if problem else None
@@ -361,9 +363,9 @@ def _check_sizes(
         value = getattr(args, name)
         if value is not None and value <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
-    tp_problem = _tp_problem(shape, args.world_size, args.tp, args.api)
-    if tp_problem:
-        parser.error(tp_problem)
+    problem = tp_problem(shape, args.world_size, args.tp, args.api)
+    if problem:
+        parser.error(problem)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -18,7 +18,7 @@ import torch
 from ..api import MixedPrecision
 from ..examples.gpt import GPTConfig
 from . import reshard_flag
-from .plan import PRESETS
+from .plan import PRESETS, tp_problem
 
 _STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 APIS = ("fsdp1", "fsdp2")
@@ -63,6 +63,8 @@ class TrainConfig:
     timeout_s: float = 300.0
     reshard_after_forward: bool | int | None = None
     """fsdp2's ``--reshard-after-forward``; None: from the strategy (`fsdp2_reshard`)."""
+    tp: int = 1
+    """fsdp2's ``--tp``: tensor-parallel ranks inside each data-parallel rank (1: none)."""
 
     @property
     def fsdp2_reshard(self) -> bool | int:
@@ -144,6 +146,15 @@ def _add_fsdp_arguments(parser: argparse.ArgumentParser) -> None:
         "ranks) keeps it sharded over K ranks, whose all-gathers then run within those ranks",
     )
     fsdp.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="fsdp2: tensor-parallel ranks inside each data-parallel rank (default 1, none); "
+        "a 2-D (dp, tp) mesh of (ranks / T, T): each block's linears split over tp "
+        "(parallelize_module), then fully_shard over dp; the T ranks of one dp row read "
+        "the same batches",
+    )
+    fsdp.add_argument(
         "--mixed-precision",
         choices=tuple(PRECISIONS),
         default="none",
@@ -196,13 +207,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         )
     if not args.timeout > 0:
         parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    if args.api == "fsdp2":
-        _check_fsdp2(args, parser)
-    elif args.reshard_after_forward is not None:
-        parser.error(
-            "--reshard-after-forward is fully_shard's option: add --api fsdp2, or with --api "
-            "fsdp1 use --sharding-strategy FULL_SHARD (true) or SHARD_GRAD_OP (false)"
-        )
+    _check_api_options(args, parser)
     if args.resume and args.overwrite:
         parser.error("--resume and --overwrite contradict each other; pick one")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -238,7 +243,20 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         sample_bytes=args.sample_bytes,
         timeout_s=args.timeout,
         reshard_after_forward=args.reshard_after_forward,
+        tp=args.tp,
     )
+
+
+def _check_api_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuse the options the chosen ``--api`` does not take."""
+    _check_tp(args, parser)
+    if args.api == "fsdp2":
+        _check_fsdp2(args, parser)
+    elif args.reshard_after_forward is not None:
+        parser.error(
+            "--reshard-after-forward is fully_shard's option: add --api fsdp2, or with --api "
+            "fsdp1 use --sharding-strategy FULL_SHARD (true) or SHARD_GRAD_OP (false)"
+        )
 
 
 def _check_fsdp2(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -260,4 +278,28 @@ def _check_fsdp2(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
         parser.error(
             "--sharding-strategy SHARD_GRAD_OP already means --reshard-after-forward false: "
             "drop one (--reshard-after-forward applies to FULL_SHARD and HYBRID_SHARD)"
+        )
+
+
+def _check_tp(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """``--tp`` with the model's heads and MLP (the same rule as ``fullshard plan --tp``) and
+    the options it works with; the world size is checked by the launcher and the ranks."""
+    problem = tp_problem(PRESETS[args.preset], None, args.tp, args.api)
+    if problem:
+        parser.error(problem)
+    if args.tp == 1:
+        return
+    if args.sharding_strategy == "HYBRID_SHARD":
+        parser.error(
+            f"--tp {args.tp} with --sharding-strategy HYBRID_SHARD would need a 3-D "
+            "(replicate, shard, tp) mesh, which fullshard train does not build: with --tp use "
+            "FULL_SHARD or SHARD_GRAD_OP (fully_shard over all data-parallel ranks), or drop --tp"
+        )
+    k = args.reshard_after_forward
+    if isinstance(k, int) and not isinstance(k, bool):
+        parser.error(
+            f"--reshard-after-forward {k} with --tp {args.tp}: fully_shard cannot keep "
+            "tensor-parallel parameters sharded over fewer ranks between forward and backward "
+            "(torch's fully_shard refuses it too): use --reshard-after-forward true or false "
+            "with --tp, or drop --tp"
         )

@@ -114,14 +114,18 @@ def write_report(config: TrainConfig, report: dict[str, Any]) -> tuple[Path, Pat
         for at in report["resumed_at"]:
             ax_loss.axvline(at + 0.5, color="gray", linestyle=":", linewidth=1)
     memory = report["peak_memory_mib"]  # per step, per rank
-    for rank in range(len(memory[0]) if memory else 0):
-        ax_mem.plot(steps, [row[rank] for row in memory], label=f"rank {rank}")
+    # A run resumed on another number of ranks (another --ranks or --tp) has rows of two
+    # lengths: a rank that did not exist for a step has no point there.
+    for rank in range(max((len(row) for row in memory), default=0)):
+        values = [row[rank] if rank < len(row) else float("nan") for row in memory]
+        ax_mem.plot(steps, values, label=f"rank {rank}")
     ax_mem.set_xlabel("step")
     ax_mem.set_ylabel("peak memory (MiB)")
     ax_mem.set_title(report["memory_kind"])
     ax_mem.legend(fontsize=8)
     fig.suptitle(
-        f"fullshard train --api {config.api}: {report['world_size']} ranks, "
+        f"fullshard train --api {config.api}: {report['world_size']} ranks"
+        f"{f' (tp {config.tp})' if config.tp > 1 else ''}, "
         f"{config.sharding_strategy}, "
         f"{report['params'] / 1e6:.2f}M params"
     )

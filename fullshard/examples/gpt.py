@@ -9,6 +9,7 @@ embeddings, final norm and tied head stay in the root unit.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,25 +46,58 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention: one fused qkv projection, SDPA, output projection."""
+    """Multi-head causal self-attention: q, k and v projections, SDPA, output projection.
+
+    q, k and v are three `nn.Linear`s rather than one fused ``qkv`` of ``3 * d_model``
+    outputs, so that tensor parallelism can split each by output feature
+    (``ColwiseParallel``): each rank then holds whole heads of q, k and v. A fused weight
+    split that way would give the first rank all of q and half of k. State dicts of the
+    fused layout (``attn.qkv.weight`` of shape (3C, C) and ``attn.qkv.bias`` (3C,), rows q,
+    then k, then v) still load: a pre-hook splits them into the three (`_split_fused_qkv`).
+    """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_heads = config.n_heads
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.q = nn.Linear(config.d_model, config.d_model)
+        self.k = nn.Linear(config.d_model, config.d_model)
+        self.v = nn.Linear(config.d_model, config.d_model)
         self.proj = nn.Linear(config.d_model, config.d_model)
+        self.register_load_state_dict_pre_hook(_split_fused_qkv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape  # (B, T, C)
-        q, k, v = self.qkv(x).split(width, dim=-1)  # 3 x (B, T, C)
-        head_dim = width // self.n_heads
-        q = q.view(batch, seq, self.n_heads, head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(batch, seq, self.n_heads, head_dim).transpose(1, 2)  # (B, H, T, D)
-        v = v.view(batch, seq, self.n_heads, head_dim).transpose(1, 2)  # (B, H, T, D)
+        batch, seq, _ = x.shape  # (B, T, C)
+        # Under tensor parallelism q, k and v hold this rank's heads only: (B, T, C / tp).
+        q, k, v = self.q(x), self.k(x), self.v(x)  # 3 x (B, T, C')
+        head_dim = x.shape[-1] // self.n_heads
+        width = q.shape[-1]
+        heads = width // head_dim  # this rank's heads
+        q = q.view(batch, seq, heads, head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(batch, seq, heads, head_dim).transpose(1, 2)  # (B, H, T, D)
+        v = v.view(batch, seq, heads, head_dim).transpose(1, 2)  # (B, H, T, D)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
-        y = y.transpose(1, 2).reshape(batch, seq, width)  # (B, T, C)
+        y = y.transpose(1, 2).reshape(batch, seq, width)  # (B, T, C')
         out: torch.Tensor = self.proj(y)  # (B, T, C)
         return out
+
+
+def _split_fused_qkv(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+) -> None:
+    """Load-state-dict pre-hook: a fused ``qkv`` projection's weight (3C, C) and bias (3C,)
+    become ``q``'s, ``k``'s and ``v``'s (rows 0..C-1, C..2C-1, 2C..3C-1), the layout this
+    module had before it split them."""
+    for kind in ("weight", "bias"):
+        fused = state_dict.pop(f"{prefix}qkv.{kind}", None)
+        if fused is None:
+            continue
+        if fused.shape[0] % 3:
+            raise ValueError(
+                f"{prefix}qkv.{kind} has {fused.shape[0]} rows, not 3 x d_model: it is no "
+                "fused q, k, v projection of this model"
+            )
+        for name, piece in zip(("q", "k", "v"), fused.chunk(3, dim=0)):
+            state_dict[f"{prefix}{name}.{kind}"] = piece
 
 
 class MLP(nn.Module):

@@ -206,8 +206,8 @@ def test_compiled_graphs_hold_compute_and_no_bookkeeping(use_orig_params: bool) 
     for result in run_on_ranks(2, _graphs_of_compiled_forward, use_orig_params):
         graphs = result["graphs"]
         targets = [target for graph in graphs for target in graph]
-        # inp and head in the root's graphs, and qkv, proj, fc, proj in the blocks' graph.
-        assert sum("linear" in t for t in targets) == 6, graphs
+        # inp and head in the root's graphs, and q, k, v, proj, fc, proj in the blocks' graph.
+        assert sum("linear" in t for t in targets) == 8, graphs
         assert sum("scaled_dot_product_attention" in t for t in targets) == 1, graphs
         for forbidden in ("resize", "all_gather", "reduce_scatter", "broadcast", "wait"):
             assert not [t for t in targets if forbidden in t], (forbidden, graphs)

@@ -1,0 +1,147 @@
+"""``fullshard train --api fsdp2 --tp T``: each block split over T tensor-parallel ranks
+(``parallelize_module``), then ``fully_shard`` over the data-parallel dim of a 2-D (dp, tp)
+mesh, run as a user would (``python -m fullshard``, gloo CPU ranks, the tiny preset)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--sample-bytes", "16"]
+STEPS = ["--steps", "24", "--checkpoint-every", "4", "--warmup-steps", "4"]
+CLIP = ["--grad-clip", "0.05"]
+"""Small enough to clip at every step: the two meshes' norm (`_clip_across_meshes`) counts."""
+TP2 = ["--api", "fsdp2", "--ranks", "4", "--tp", "2"]
+"""4 ranks as (dp 2, tp 2): the same data-parallel rows as `TP1`'s 2 ranks."""
+TP1 = ["--api", "fsdp2", "--ranks", "2"]
+
+
+def _run(
+    args: list[str], timeout: float = 300, **kwargs: object
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fullshard", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO, **kwargs,
+    )  # type: ignore[call-overload]  # fmt: skip
+
+
+def _assert_same_curve(got: object, want: object) -> None:
+    assert isinstance(got, list) and isinstance(want, list) and len(got) == len(want) == 24
+    for a, b in zip(got, want):
+        assert abs(a - b) <= 1e-5 * abs(b), (got, want)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, object]]:
+    """report.json and stdout of one uninterrupted ``STEPS`` run with --tp 2 on 4 ranks and
+    one with --tp 1 on 2 ranks (FULL_SHARD, fp32)."""
+    runs = {}
+    for name, options in (("tp2", TP2), ("tp1", TP1)):
+        out = tmp_path_factory.mktemp(name)
+        result = _run(["train", *TINY, *STEPS, *CLIP, *options, "--out", str(out)], timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        runs[name] = json.loads((out / "report.json").read_text())
+        runs[name]["stdout"] = result.stdout
+    return runs
+
+
+def test_train_tp2_gives_the_losses_of_tp1_on_as_many_data_parallel_rows(
+    uninterrupted: dict[str, dict[str, object]],
+) -> None:
+    """World 4 with --tp 2 (dp 2) trains the 24 losses and the held-out loss of world 2 with
+    --tp 1 (dp 2) within 1e-5 relative: the tp ranks of a row read that row's batches, and
+    the clipping norm over both meshes is the model's; the log and the report state the tp
+    degree, and a step's tokens count each row once."""
+    tp2, tp1 = uninterrupted["tp2"], uninterrupted["tp1"]
+    _assert_same_curve(tp2["losses"], tp1["losses"])
+    assert tp2["heldout_loss"] == pytest.approx(tp1["heldout_loss"], rel=1e-5)
+    assert (tp2["tp"], tp2["dp"], tp2["world_size"]) == (2, 2, 4)
+    assert (tp1["tp"], tp1["dp"], tp1["world_size"]) == (1, 2, 2)
+    assert tp2["config"]["tp"] == 2  # type: ignore[index]
+    sharding = (
+        "FULL_SHARD as fully_shard(reshard_after_forward=True) on the dp dim of a 2-D (dp, tp) "
+        "mesh, after parallelize_module over tp 2"
+    )
+    assert tp2["sharding"] == sharding
+    assert f"4 ranks (dp 2 x tp 2), {sharding}" in str(tp2["stdout"])
+    assert tp2["tokens_per_step"] == tp1["tokens_per_step"] == 4 * 32 * 2
+    assert tp2["params"] == tp1["params"]  # the plain model's
+
+
+def _stop_after_checkpoint(out: Path) -> int:
+    """Start a ``STEPS`` run with ``TP2``, SIGTERM it once a checkpoint of step 8 or later is
+    complete; returns that checkpoint's step."""
+    metadata = out / "checkpoint" / "fullshard.json"
+    run = subprocess.Popen(
+        [sys.executable, "-m", "fullshard", "train", *TINY, *STEPS, *CLIP, *TP2,
+         "--out", str(out)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and run.poll() is None:
+        try:
+            if json.loads(metadata.read_text())["extra"]["step"] >= 8:
+                break
+        except (OSError, json.JSONDecodeError, KeyError):
+            pass
+        time.sleep(0.05)
+    run.send_signal(signal.SIGTERM)
+    _, stderr = run.communicate(timeout=60)
+    assert run.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    step: int = json.loads(metadata.read_text())["extra"]["step"]
+    assert 8 <= step < 24
+    return step
+
+
+def test_train_tp_stopped_run_resumes_to_the_uninterrupted_curve(
+    tmp_path: Path, uninterrupted: dict[str, dict[str, object]]
+) -> None:
+    """A --tp 2 run stopped by SIGTERM after a checkpoint (DCP, parameters and Adam's state
+    as DTensors on the (dp, tp) mesh and on its dp dim), resumed with --resume, ends with the
+    uninterrupted run's 24 losses; resumed instead with --tp 1 on 2 ranks (resharded by DCP)
+    it ends with those of the uninterrupted --tp 1 run, and its report and chart cover both
+    world sizes."""
+    out = tmp_path / "stopped"
+    saved_step = _stop_after_checkpoint(out)
+    saved = json.loads((out / "checkpoint" / "fullshard.json").read_text())
+    assert saved["api"] == "fully_shard"
+    shutil.copytree(out, tmp_path / "as_tp1")
+    for folder, options, tp in ((out, TP2, 2), (tmp_path / "as_tp1", TP1, 1)):
+        args = [*TINY, *STEPS, *CLIP, *options, "--resume", "--out", str(folder)]
+        result = _run(["train", *args])
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        report = json.loads((folder / "report.json").read_text())
+        assert report["resumed_at"] == [saved_step] and report["tp"] == tp
+        _assert_same_curve(report["losses"], uninterrupted[f"tp{tp}"]["losses"])
+
+
+def test_train_tp_misuse_is_refused_before_the_ranks_start() -> None:
+    """--tp without fsdp2, one that does not divide the heads or the ranks, with
+    HYBRID_SHARD or an int --reshard-after-forward: exit status 2, naming the fix."""
+    for args, message in [
+        (["--tp", "2"], "--tp 2 composes tensor parallelism with fully_shard: add --api fsdp2"),
+        (["--api", "fsdp2", "--ranks", "3", "--tp", "3"],
+         "--tp 3 does not divide the model's 4 attention heads (tiny): pick a --tp that "
+         "divides them"),
+        (["--api", "fsdp2", "--ranks", "3", "--tp", "2"],
+         "--tp 2 must divide the 3 ranks (--ranks 3): each data-parallel rank is --tp ranks"),
+        (["--api", "fsdp2", "--tp", "0"], "--tp must be positive, got 0"),
+        (["--api", "fsdp2", "--ranks", "4", "--tp", "2", "--strategy", "HYBRID_SHARD"],
+         "--tp 2 with --sharding-strategy HYBRID_SHARD would need a 3-D (replicate, shard, tp) "
+         "mesh"),
+        (["--api", "fsdp2", "--ranks", "4", "--tp", "2", "--reshard-after-forward", "2"],
+         "--reshard-after-forward 2 with --tp 2: fully_shard cannot keep tensor-parallel "
+         "parameters sharded over fewer ranks"),
+    ]:  # fmt: skip
+        result = _run(["train", *TINY, *args], timeout=120)
+        assert result.returncode == 2, (args, result.stderr[-2000:])
+        assert f"fullshard train: error: {message}" in result.stderr, result.stderr[-2000:]
+        assert "Traceback" not in result.stderr
