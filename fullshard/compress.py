@@ -91,6 +91,12 @@ class Int8AllGatherWeight(torch.Tensor):
             return out
         return pytree.tree_map_only(torch.Tensor, Int8AllGatherWeight, out)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled (``torch.save``, torch's checkpoint API) as its full-precision values, a
+        plain tensor: a checkpoint of a compressed run loads anywhere, ``weights_only``
+        included, and into an uncompressed model."""
+        return self._tensor.__reduce_ex__(protocol)
+
     def __tensor_flatten__(self) -> tuple[list[str], None]:
         return ["_tensor"], None
 

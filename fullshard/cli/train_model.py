@@ -58,6 +58,7 @@ from ..api import (
     OffloadPolicy,
     ShardingStrategy,
 )
+from ..compress import bf16_gradients, int8_all_gather
 from ..examples.gpt import GPT, Block, num_params
 from ..fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 from ..wrap import ModuleWrapPolicy
@@ -164,9 +165,12 @@ def fsdp2_options(config: TrainConfig) -> dict[str, Any]:
     """``fully_shard``'s keyword options for ``config``, but the mesh (see the module
     docstring). Pure: no process group needed."""
     offload: OffloadPolicy = CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy()
+    policy = POLICIES[config.mixed_precision]
+    if "bf16-grads" in config.compress_comm:
+        policy = bf16_gradients(policy)
     return {
         "reshard_after_forward": config.fsdp2_reshard,
-        "mp_policy": POLICIES[config.mixed_precision],
+        "mp_policy": policy,
         "offload_policy": offload,
     }
 
@@ -181,6 +185,8 @@ def _shard_fsdp2(model: GPT, config: TrainConfig, device: torch.device) -> nn.Mo
     else:
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     options = fsdp2_options(config)
+    if "int8-weights" in config.compress_comm:
+        int8_all_gather(model)  # before fully_shard: see fullshard.compress
     for block in model.blocks:  # bottom-up: each block its own unit, then the root
         if tp_mesh is not None:
             parallelize_module(block, tp_mesh, TP_PLAN)
@@ -201,9 +207,10 @@ def describe_sharding(config: TrainConfig) -> str:
     )
     if config.tp > 1:
         mesh = f"the dp dim of a 2-D (dp, tp) mesh, after parallelize_module over tp {config.tp}"
+    compressed = f", compressed: {'+'.join(config.compress_comm)}" if config.compress_comm else ""
     return (
         f"{config.sharding_strategy} as fully_shard(reshard_after_forward="
-        f"{options['reshard_after_forward']}) on {mesh}"
+        f"{options['reshard_after_forward']}) on {mesh}{compressed}"
     )
 
 

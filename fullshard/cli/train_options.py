@@ -65,6 +65,8 @@ class TrainConfig:
     """fsdp2's ``--reshard-after-forward``; None: from the strategy (`fsdp2_reshard`)."""
     tp: int = 1
     """fsdp2's ``--tp``: tensor-parallel ranks inside each data-parallel rank (1: none)."""
+    compress_comm: tuple[str, ...] = ()
+    """fsdp2's ``--compress-comm``: a subset of `COMPRESSIONS` (``fullshard.compress``)."""
 
     @property
     def fsdp2_reshard(self) -> bool | int:
@@ -153,6 +155,15 @@ def _add_fsdp_arguments(parser: argparse.ArgumentParser) -> None:
         "a 2-D (dp, tp) mesh of (ranks / T, T): each block's linears split over tp "
         "(parallelize_module), then fully_shard over dp; the T ranks of one dp row read "
         "the same batches",
+    )
+    fsdp.add_argument(
+        "--compress-comm",
+        type=_compressions,
+        default=(),
+        help="fsdp2: compressed communication, comma-separated from "
+        f"{', '.join(COMPRESSIONS)} (fullshard.compress): int8-weights all-gathers weight "
+        "matrices as int8 (a float32 scale per column; the fp32 shard stays the master "
+        "copy), bf16-grads reduces gradients in bf16",
     )
     fsdp.add_argument(
         "--mixed-precision",
@@ -244,18 +255,52 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         timeout_s=args.timeout,
         reshard_after_forward=args.reshard_after_forward,
         tp=args.tp,
+        compress_comm=args.compress_comm,
     )
 
 
 def _check_api_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Refuse the options the chosen ``--api`` does not take."""
     _check_tp(args, parser)
+    _check_compress(args, parser)
     if args.api == "fsdp2":
         _check_fsdp2(args, parser)
     elif args.reshard_after_forward is not None:
         parser.error(
             "--reshard-after-forward is fully_shard's option: add --api fsdp2, or with --api "
             "fsdp1 use --sharding-strategy FULL_SHARD (true) or SHARD_GRAD_OP (false)"
+        )
+
+
+COMPRESSIONS = ("int8-weights", "bf16-grads")
+
+
+def _compressions(value: str) -> tuple[str, ...]:
+    """``--compress-comm``'s value: known names, each once, in `COMPRESSIONS`' order."""
+    names = {name.strip() for name in value.split(",") if name.strip()}
+    unknown = sorted(names - set(COMPRESSIONS))
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown compression {unknown}: choose a comma-separated subset of "
+            f"{', '.join(COMPRESSIONS)}"
+        )
+    return tuple(name for name in COMPRESSIONS if name in names)
+
+
+def _check_compress(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """``--compress-comm`` is fully_shard's (its all-gather extension and reduce dtype)."""
+    if not args.compress_comm:
+        return
+    if args.api != "fsdp2":
+        parser.error(
+            "--compress-comm needs --api fsdp2: it is built on fully_shard's all-gather "
+            "extension and MixedPrecisionPolicy(reduce_dtype); add --api fsdp2"
+        )
+    if "int8-weights" in args.compress_comm and (args.tp > 1 or args.cpu_offload):
+        parser.error(
+            "--compress-comm int8-weights with --tp or --cpu-offload is not supported by "
+            "fullshard train yet: drop int8-weights (bf16-grads works with both), or drop "
+            "--tp / --cpu-offload"
         )
 
 
