@@ -54,9 +54,18 @@ def checkpoint_problem(config: TrainConfig, resuming: bool) -> str | None:
     if not resuming:
         return None
     try:
-        saved = checkpoint.read_metadata(path)["extra"].get("run")
+        metadata = checkpoint.read_metadata(path)
     except ValueError as error:
         return f"--resume: {error}"
+    saved = metadata["extra"].get("run")
+    if any(".attn.qkv." in key for key in metadata.get("model", {})):
+        return (
+            f"--resume: the checkpoint in {path} holds the example GPT's fused attention "
+            "projection (attn.qkv), which is now three (attn.q, attn.k, attn.v) so that --tp "
+            "can split them; this version cannot resume it: start afresh (--overwrite or "
+            "another --out), or resume it with the fullshard that wrote it (a plain state dict "
+            "of the fused layout still loads: GPT.load_state_dict splits attn.qkv)"
+        )
     if saved != config.run_identity():
         return (
             f"--resume: the checkpoint in {path} is from another model or run ({saved}); this "

@@ -145,3 +145,25 @@ def test_train_tp_misuse_is_refused_before_the_ranks_start() -> None:
         assert result.returncode == 2, (args, result.stderr[-2000:])
         assert f"fullshard train: error: {message}" in result.stderr, result.stderr[-2000:]
         assert "Traceback" not in result.stderr
+
+
+def test_train_refuses_to_resume_a_checkpoint_of_the_fused_qkv_gpt(tmp_path: Path) -> None:
+    """A checkpoint written before the example GPT split ``attn.qkv`` into q, k and v (its
+    metadata names ``attn.qkv`` keys: here a fresh checkpoint's metadata renamed so) is
+    refused before any rank starts, saying why and what to do, instead of failing in the
+    ranks with a key mismatch."""
+    out = tmp_path / "fused"
+    args = [*TINY, "--steps", "2", "--checkpoint-every", "2", "--out", str(out)]
+    first = _run(["train", *args])
+    assert first.returncode == 0, first.stderr[-3000:]
+    metadata_file = out / "checkpoint" / "fullshard.json"
+    metadata = json.loads(metadata_file.read_text())
+    model = metadata["model"]
+    for key in [k for k in model if ".attn.q." in k]:
+        model[key.replace(".attn.q.", ".attn.qkv.")] = model.pop(key)
+    metadata_file.write_text(json.dumps(metadata))
+    result = _run(["train", *args, "--steps", "4", "--resume"], timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "holds the example GPT's fused attention projection (attn.qkv)" in result.stderr
+    assert "start afresh (--overwrite or another --out)" in result.stderr
+    assert "Traceback" not in result.stderr
