@@ -16,7 +16,9 @@
 - Gradients: ``bf16_gradients(policy)``: the ``MixedPrecisionPolicy`` with
   ``reduce_dtype=torch.bfloat16`` (half the bytes of a float32 reduce-scatter).
 - Keeping parameters over ``k`` ranks between forward and backward, ZeRO++'s secondary
-  shard (hpZ), is ``fully_shard``'s own ``reshard_after_forward=k``.
+  shard (hpZ), is ``fully_shard``'s own ``reshard_after_forward=k`` for the other units; an
+  int8 weight's unit does not keep a ``k``-rank slice yet (it reshards fully and gathers
+  again over the whole shard group in backward).
 
 Apply ``int8_all_gather`` before ``fully_shard``. Each rounding error is at most half a
 scale step, ``max(|column|) / 254``.
@@ -118,7 +120,12 @@ class Int8AllGatherWeight(torch.Tensor):
 
         Example, one column [0.5, -1.0] on rank 0 and [0.25] on rank 1: scale 1.0 / 127,
         values [64, -127] and [32, 0] (the padding row)."""
-        rows = self._tensor.reshape(self._tensor.shape[0], -1).float()  # (r, C)
+        if tuple(self._tensor.shape[1:]) != tuple(outer_size[1:]):
+            raise NotImplementedError(
+                "Int8AllGatherWeight is all-gathered by rows: shard it on dim 0 (a "
+                f"shard_placement_fn returned another dim for a weight of shape {outer_size})"
+            )
+        rows = self._tensor.flatten(1).float()  # (r, C), r may be 0
         amax = rows.abs().amax(dim=0) if rows.shape[0] else rows.new_zeros(rows.shape[1])
         group = mesh.get_group()
         dist.all_reduce(amax, dist.ReduceOp.MAX, group=group)  # (C,)

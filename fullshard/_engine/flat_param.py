@@ -509,6 +509,16 @@ class FlatParamHandle(OrigParamViews, SummonViews, GradReduction):
                     for slot, index in enumerate(segment.indices)
                     if index in extensions.unsharded
                 }
+                if segment.from_extensions and len(params.overrides) < len(segment.indices):
+                    missing = [self.param_fqns[i] for i in segment.indices]
+                    raise RuntimeError(
+                        f"parameters {missing} of FSDP unit '{self.label}' no longer carry "
+                        "their all-gather extension (fsdp_pre_all_gather / "
+                        "fsdp_post_all_gather): their local tensors were replaced by tensors "
+                        "of another class after fully_shard; keep the subclass (convert "
+                        "with operations it preserves), or apply fully_shard to the "
+                        "converted model"
+                    )
 
     def reshard(self, after_forward: bool = False) -> None:
         """Free the unsharded storage and give modules back their sharded parameters

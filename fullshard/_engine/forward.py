@@ -39,8 +39,7 @@ def lazy_init(root: Unit) -> None:
         if unit is not root and unit.runtime.training_state != TrainingState.IDLE:
             raise RuntimeError(f"FSDP unit '{fqn}' is in use while its root initialises")
         unit.runtime.is_root = unit is root
-        if unit.sibling_of is root and unit.runtime.reshard_after_forward is None:
-            unit.runtime.reshard_after_forward = False  # the root's rule, for all its groups
+        unit.runtime.beside_root = unit.sibling_of is root  # the root's rule, for its groups
         if unit.handle is not None:
             unit.handle.label = fqn
             unit.handle.adopt_replaced_data()

@@ -146,6 +146,9 @@ class UnitRuntime:
         reshard, stays unsharded across eval or generation forwards."""
         self.is_root: bool | None = None
         """None until lazy initialisation at the first forward decides."""
+        self.beside_root = False
+        """A sibling of the root (another unit of the root's ``fully_shard`` call, see [Note:
+        sibling units]): it keeps its parameters after forward as the root does."""
         self.root_state: RootState | None = None
         self.training_state = TrainingState.IDLE
         self.handle_training_state = HandleTrainingState.IDLE
@@ -315,7 +318,7 @@ class UnitRuntime:
         if not will_backward and self.reshard_without_backward:
             return True
         if self.reshard_after_forward is None:
-            return not self.is_root
+            return not (self.is_root or self.beside_root)
         return self.reshard_after_forward
 
     def _record_forward(self, inputs: Any, outputs: list[torch.Tensor]) -> ForwardRecord:

@@ -81,8 +81,9 @@ def test_torchao_float8_all_gathers_float8_bytes_and_trains_as_torch() -> None:
     run_on_ranks(2, _float8_parity)
 
 
-_SHAPES = ((12, 20), (20, 7))
-"""(in, out) of two linears: 20 rows split evenly, 7 unevenly (4 and 3, padded to 4)."""
+_SHAPES = ((12, 20), (20, 7), (7, 1))
+"""(in, out) of three linears: 20 rows split evenly, 7 unevenly (4 and 3, padded to 4),
+1 into a row and an empty shard."""
 
 
 def _int8_train(api: str, compress: bool) -> tuple[nn.Module, list[float], float]:
@@ -94,11 +95,13 @@ def _int8_train(api: str, compress: bool) -> tuple[nn.Module, list[float], float
     from fullshard.compress import int8_all_gather
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(*_SHAPES[0]), nn.ReLU(), nn.Linear(*_SHAPES[1]))
+    model = nn.Sequential(
+        nn.Linear(*_SHAPES[0]), nn.ReLU(), nn.Linear(*_SHAPES[1]), nn.ReLU(), nn.Linear(*_SHAPES[2])
+    )
     if compress:
-        assert int8_all_gather(model) == 2
-    fully_shard(model[0])
-    fully_shard(model[2])
+        assert int8_all_gather(model) == 3
+    for index in (0, 2, 4):
+        fully_shard(model[index])
     fully_shard(model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
@@ -107,7 +110,7 @@ def _int8_train(api: str, compress: bool) -> tuple[nn.Module, list[float], float
         batch = torch.randn(6, _SHAPES[0][0], generator=torch.Generator().manual_seed(step))
         loss = model(batch + dist.get_rank()).square().mean()
         if api == "fullshard" and compress:
-            assert _held_unsharded_bytes(model[0]) == _held_unsharded_bytes(model[2]) == 0
+            assert sum(_held_unsharded_bytes(model[index]) for index in (0, 2, 4)) == 0
         loss.backward()
         optim.step()
         optim.zero_grad()
@@ -137,8 +140,8 @@ def _int8_parity() -> None:
     for (name, mine), their in zip(ours.named_parameters(), theirs.parameters()):
         torch.testing.assert_close(mine.full_tensor(), their.full_tensor(), msg=name)
     assert isinstance(ours[0].weight.to_local(), Int8AllGatherWeight)
-    # rounding to int8 moves the losses a little, not the training
-    assert our_losses == pytest.approx(plain_losses, rel=2e-2), (our_losses, plain_losses)
+    # rounding to int8 moves the losses a little (these are near 0), not the training
+    assert our_losses == pytest.approx(plain_losses, rel=5e-2), (our_losses, plain_losses)
     assert our_losses != plain_losses
     # per step, each weight gathered twice as int8 (1 byte per element, padded to whole rows
     # per rank) and the float32 biases as they are; each gather's scales are one all-reduce
@@ -149,14 +152,15 @@ def _int8_parity() -> None:
         padded_rows = -(-rows // num_ranks) * num_ranks
         per_gather += padded_rows * cols * 1 + padded_rows * 4  # weight + bias
     assert gathered == 2 * per_gather * (num_ranks - 1) / num_ranks, gathered
-    assert gathered < 0.3 * plain_gathered, (gathered, plain_gathered)
+    assert gathered < 0.35 * plain_gathered, (gathered, plain_gathered)  # biases stay fp32
 
 
 def test_int8_all_gather_sends_int8_rows_and_trains_as_torch() -> None:
     """``fullshard.compress.int8_all_gather``: weights all-gathered as int8 (a float32
-    scale per column) on 2 ranks, one with rows that do not split evenly: 5 AdamW steps
-    give torch's FSDP2 losses and parameters with the same subclass, within 2% of the
-    uncompressed run's losses, and the all-gathers carry the int8 rows and the float32
-    biases: under 0.3x the uncompressed bytes. Between forward and backward the weights'
+    scale per column) on 2 ranks, one with rows that do not split evenly and one with a
+    single row (an empty shard on rank 1): 5 AdamW steps
+    give torch's FSDP2 losses and parameters with the same subclass, within 5% of the
+    uncompressed run's (near-zero) losses, and the all-gathers carry the int8 rows and the
+    float32 biases: under 0.35x the uncompressed bytes. Between forward and backward the weights'
     unsharded tensors hold no storage (freed at reshard, refilled in place for backward)."""
     run_on_ranks(2, _int8_parity)
