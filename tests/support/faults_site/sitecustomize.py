@@ -12,6 +12,7 @@ import os
 _FAULT = os.environ.get("FULLSHARD_TEST_FAULT")
 
 if _FAULT and os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+    import time
     from collections import Counter
 
     import torch.distributed.checkpoint as dcp
@@ -20,9 +21,10 @@ if _FAULT and os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RES
 
     _calls: Counter[str] = Counter()
 
-    def _die_on(kind: str, label: str, count: int) -> None:
+    def _die_on(kind: str, label: str, count: int, delay_s: float = 0.0) -> None:
         _calls[(kind, label)] += 1
         if _calls[(kind, label)] == count:
+            time.sleep(delay_s)
             os._exit(17)
 
     _all_gather = comm.all_gather_into
@@ -41,7 +43,10 @@ if _FAULT and os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RES
 
     def save(*args, **kwargs):  # type: ignore[no-untyped-def]
         if _FAULT == "save":
-            _die_on("save", "", 2)
+            # after rank 0 is inside the save's first collective, waiting for this rank (dying
+            # at once raced rank 0's state-dict preparation against the launcher's SIGTERM,
+            # which then stopped rank 0 before it could name the failed operation)
+            _die_on("save", "", 2, delay_s=1.0)
         return _dcp_save(*args, **kwargs)
 
     comm.all_gather_into = all_gather_into
