@@ -2,12 +2,9 @@
 
 - Weights: ``int8_all_gather(module)`` makes each weight matrix of ``module`` an
   ``Int8AllGatherWeight``, a tensor subclass with FSDP2's all-gather extension: its
-  all-gather carries int8 values, and ``fsdp_post_all_gather`` dequantizes them into the
-  compute dtype with one float32 scale per column (block quantization by columns, as ZeRO++'s
-  qwZ quantizes by blocks; the columns are not split by FSDP's dim-0 sharding, so the
-  scales come from one small all-reduce of the columns' largest magnitudes, and every rank
-  holds them: torch requires every all-gather input of an unevenly split parameter to have
-  the parameter's padded shape, which leaves no room to gather per-row scales). The sharded parameter stays in full precision: the optimizer steps on it, and only
+  all-gather carries int8 values and float32 scales, and ``fsdp_post_all_gather``
+  dequantizes them into the compute dtype in one multiplication (see [Note: int8 blocks]).
+  The sharded parameter stays in full precision: the optimizer steps on it, and only
   the copy used for forward and backward is rounded. Gradients flow to the full-precision
   shard as if the weight were not rounded (straight through). fullshard gives such weights a
   unit of their own whose flat shard is not all-gathered, so the wire carries the int8 bytes
@@ -20,8 +17,21 @@
   int8 weight's unit does not keep a ``k``-rank slice yet (it reshards fully and gathers
   again over the whole shard group in backward).
 
-Apply ``int8_all_gather`` before ``fully_shard``. Each rounding error is at most half a
-scale step, ``max(|column|) / 254``.
+Apply ``int8_all_gather`` before ``fully_shard``.
+
+[Note: int8 blocks]
+A weight is quantized in blocks, as ZeRO++'s qwZ does: a block is one column of one rank's
+rows, with a float32 scale ``max(|block|) / 127``; each rounding error is at most half a
+scale step, ``max(|block|) / 254``. Each rank quantizes its own rows with no communication
+and all-gathers its scales (a ``(1, C)`` input) with its int8 rows: ``4 / rows`` more bytes
+per element than int8 alone. torch requires every all-gather input of an unevenly split
+parameter to have the parameter's padded shard shape, which leaves no room for the scales;
+for such a weight the blocks are whole columns, their scales the same on every rank, from
+one all-reduce of the columns' largest magnitudes (a blocking collective per all-gather).
+Each all-gather quantizes again (forward and backward, twice a step): about 3 ms per 2M
+elements on one core, against the risk of a kept copy going stale (a DTensor's in-place
+ops do not move its local tensor's version counter, and plain views of the values escape
+the subclass). The dequantization is one multiplication into the unsharded tensor.
 """
 
 from __future__ import annotations
@@ -60,8 +70,8 @@ arithmetic, a module's forward outside FSDP) sees the full-precision values."""
 
 
 class Int8AllGatherWeight(torch.Tensor):
-    """A weight whose FSDP2 all-gather sends int8 values (a float32 scale per column); the
-    values it holds (``_tensor``) are full precision."""
+    """A weight whose FSDP2 all-gather sends int8 values (float32 scales per block: see [Note:
+    int8 blocks]); the values it holds (``_tensor``) are full precision."""
 
     _tensor: torch.Tensor
 
@@ -113,49 +123,78 @@ class Int8AllGatherWeight(torch.Tensor):
 
     def fsdp_pre_all_gather(
         self, mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp_policy: Any
-    ) -> tuple[tuple[torch.Tensor], torch.Tensor]:
-        """This rank's rows as int8, padded to the rows every rank sends (torch's rule for
-        uneven shards), and the per-column scales, the same on every rank (the columns'
-        largest magnitudes, all-reduced over the shard group: one float32 per column).
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """This rank's rows as int8 and their scales (see [Note: int8 blocks]).
 
-        Example, one column [0.5, -1.0] on rank 0 and [0.25] on rank 1: scale 1.0 / 127,
-        values [64, -127] and [32, 0] (the padding row)."""
+        Example, one column [0.5, -1.0] on rank 0 and [0.25, 0.125] on rank 1: scales
+        [1.0 / 127] and [0.25 / 127], values [64, -127] and [127, 64]."""
         if tuple(self._tensor.shape[1:]) != tuple(outer_size[1:]):
             raise NotImplementedError(
                 "Int8AllGatherWeight is all-gathered by rows: shard it on dim 0 (a "
                 f"shard_placement_fn returned another dim for a weight of shape {outer_size})"
             )
-        rows = self._tensor.flatten(1).float()  # (r, C), r may be 0
-        amax = rows.abs().amax(dim=0) if rows.shape[0] else rows.new_zeros(rows.shape[1])
         group = mesh.get_group()
+        rows = self._tensor.flatten(1)  # (r, C), r may be 0
+        ranks = group.size()
+        if outer_size[0] % ranks == 0:  # even rows: every rank's scales gathered with its rows
+            scales = _column_amax(rows) / 127  # (C,)
+            values = _quantize(rows, scales, rows.shape[0])
+            return (values.view(rows.shape[0], *outer_size[1:]), scales.view(1, -1)), None
+        # padded rows: one set of scales for every rank (torch's rule leaves no room)
+        amax = _column_amax(rows)
         dist.all_reduce(amax, dist.ReduceOp.MAX, group=group)  # (C,)
         COUNTERS.record("all_reduce", "int8 scales", amax.numel() * amax.element_size())
-        scales = amax.clamp_min(1e-30) / 127  # (C,)
-        padded_rows = -(-outer_size[0] // group.size())
-        values = torch.zeros(padded_rows, rows.shape[1], dtype=torch.int8, device=rows.device)
-        values[: rows.shape[0]] = torch.round(rows / scales).clamp_(-127, 127).to(torch.int8)
-        return (values.view(padded_rows, *outer_size[1:]),), scales
+        padded_rows = -(-outer_size[0] // ranks)
+        values = _quantize(rows, amax / 127, padded_rows)
+        return (values.view(padded_rows, *outer_size[1:]),), amax / 127
 
     def fsdp_post_all_gather(
         self,
         outputs: tuple[torch.Tensor, ...],
-        metadata: Any,
+        metadata: torch.Tensor | None,
         param_dtype: torch.dtype,
         *,
         out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
-        """Every rank's rows dequantized into ``param_dtype`` (``(ranks * rows, ...)``)."""
-        (values,) = outputs  # (N * R, ...)
-        scales: torch.Tensor = metadata  # (C,)
-        full = (values.reshape(values.shape[0], -1).float() * scales).to(param_dtype)
-        full = full.view(values.shape)
-        if out is not None:
-            # torch hands back the (unpadded) tensor of the forward's gather, which autograd
-            # may have saved: the values are the same, so the version stays
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
-                out.copy_(full[: out.shape[0]])
-            return None
-        return full, (values, full)  # both freed at reshard
+        """Every rank's rows dequantized into ``param_dtype`` (``(ranks * rows, ...)``), in
+        one multiplication by each rank's scales (into ``out`` when given)."""
+        values = outputs[0]  # (N * R, ...)
+        # (N, C): each rank's own scales; or (1, C): the same for every rank
+        scales = outputs[1] if metadata is None else metadata.view(1, -1)
+        rows = values.shape[0] if out is None else out.shape[0]  # torch hands back unpadded
+        columns = scales.shape[1]
+        blocks = values.reshape(scales.shape[0], -1, columns)
+        if out is None:
+            full = torch.empty(values.shape, dtype=param_dtype, device=values.device)
+            torch.mul(blocks, scales.unsqueeze(1), out=full.view(blocks.shape))
+            return full, (values, full)  # both freed at reshard
+        # the tensor of the forward's gather, which autograd may have saved: the values are
+        # the same, so the version stays
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
+            if rows == values.shape[0]:
+                torch.mul(blocks, scales.unsqueeze(1), out=out.view(blocks.shape))
+            else:  # one block (the padded case): the padding rows are not written
+                torch.mul(values[:rows].view(rows, columns), scales, out=out.view(rows, columns))
+        return None
+
+
+def _column_amax(rows: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude of each column of ``rows`` (``(r, C)``; zeros where ``r`` is 0),
+    in float32, at least a tiny positive number (an all-zero column gets a usable scale)."""
+    if rows.shape[0] == 0:
+        return rows.new_full((rows.shape[1],), 1e-30, dtype=torch.float32)
+    high, low = rows.amax(dim=0), rows.amin(dim=0)  # faster than aminmax or abs() by columns
+    return torch.maximum(high, low.neg()).float().clamp_min_(1e-30)
+
+
+def _quantize(rows: torch.Tensor, scales: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``rows / scales`` rounded to int8, in ``num_rows`` rows (zeros past ``rows``)."""
+    values = torch.empty(num_rows, rows.shape[1], dtype=torch.int8, device=rows.device)
+    values[rows.shape[0] :].zero_()
+    scaled = rows.float() / scales  # the one full-size temporary
+    torch.round(scaled, out=scaled).clamp_(-127, 127)
+    values[: rows.shape[0]].copy_(scaled)
+    return values
 
 
 def int8_all_gather(module: nn.Module) -> int:

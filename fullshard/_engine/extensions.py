@@ -18,7 +18,8 @@ that defines them, or methods set on the local tensor object itself, as torch al
 A parameter whose class defines the methods when ``fully_shard`` meets it keeps a local
 tensor of that class (its ``torch.chunk`` piece, padded as torch pads it): the optimizer
 updates that object, which the unit's flat shard does not hold. Its place in the flat
-layout carries only its gradient. ``fully_shard`` gives such parameters a unit of their own
+layout carries only its gradient (the shard holds no memory for it where the unit has only
+such parameters). ``fully_shard`` gives such parameters a unit of their own
 (``_fsdp2/placement.py``) whose flat shard is never all-gathered (``FlatSegment
 .from_extensions``), so the wire carries the extension's bytes only. As torch's FSDP2 does,
 the output buffers and the post-hook's tensors are kept from one unshard to the next with

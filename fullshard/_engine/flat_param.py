@@ -228,8 +228,8 @@ class FlatParamHandle(OrigParamViews, SummonViews, GradReduction):
     def _layout_source(self, index: int, param: torch.Tensor) -> torch.Tensor:
         """What the flat shard is built from for parameter ``index``: zeros for an extension
         subclass (its values stay in its own local tensor), else the parameter."""
-        if index in self._extension_subclasses:
-            return torch.zeros(param.shape, dtype=param.dtype, device=param.device)
+        if index in self._extension_subclasses:  # one zero, expanded: no memory
+            return torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
         return self._in_layout(index, param)
 
     def _in_layout(self, index: int, tensor: torch.Tensor) -> torch.Tensor:

@@ -143,7 +143,7 @@ class FlatSegment:
         assert len(params) == len(indices) == len(layout.slots)
         self.from_extensions = from_extensions
         """Every parameter's unsharded tensor comes from its all-gather extension: the flat
-        shard holds only zeros in their places, so it is not all-gathered (see [Note:
+        shard holds no values (one zero, expanded), so it is not all-gathered (see [Note:
         all-gather extensions])."""
         self._shard_dims = shard_dims
         """Dim-0 layouts: per slot, the dim its parameter is sharded on (the layout holds it
@@ -196,7 +196,12 @@ class FlatSegment:
         # the compute device (see [Note: devices] in init.py).
         dtype, device = params[0].dtype, params[0].device
         with torch.no_grad():
-            if self.uses_sharded_strategy:  # this rank's pieces; zeros where padding
+            if self.uses_sharded_strategy and self.from_extensions:
+                # no values: they live in the extensions' own local tensors; one zero, seen
+                # wherever the shard is read (writing into it raises)
+                local_shard = torch.zeros((), dtype=dtype, device=device)
+                local_shard = local_shard.expand(layout.shard_numel)
+            elif self.uses_sharded_strategy:  # this rank's pieces; zeros where padding
                 local_shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
                 for param, piece in zip(params, self.pieces):
                     if piece is not None:

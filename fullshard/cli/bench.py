@@ -8,7 +8,9 @@ them alike. Per engine it reports the median step time, per-rank peak memory add
 training (CPU: ``VmHWM`` after ``clear_refs``; CUDA: ``max_memory_allocated``), the bytes each
 rank sent per step (CPU: loopback traffic / ranks, plus what fullshard wrote into its
 shared-memory transport), and the
-last loss, which must match DDP's. Each engine's run is a fresh set of processes, so no
+last loss, which must match DDP's. ``--transports shm,rings`` runs fullshard's engines over
+both of its CPU transports (shared memory between ranks of one host, and the rings over
+gloo's TCP, as between hosts: ``ENGINE@rings``). Each engine's run is a fresh set of processes, so no
 engine inherits another's allocator state. Prints a table with ratios, writes JSON, and
 with ``--plot`` a PNG.
 
@@ -108,6 +110,8 @@ class EngineResult:
     peak_mib: list[float] = field(default_factory=list)
     """Per rank, the largest peak seen over the rounds."""
     bytes_per_step: float = 0.0
+    shared_memory_bytes_per_step: float = 0.0
+    """Of ``bytes_per_step``, what went through fullshard's shared-memory transport."""
     loss: float = float("nan")
 
     @property
@@ -248,6 +252,7 @@ def _run_engine(
             over_loopback = (_loopback_bytes() - sent_before) / dist.get_world_size()
             over_shared_memory = _shared_memory_bytes() - shared_before
             result["bytes"] = (over_loopback + over_shared_memory) / args.steps
+            result["shared_memory_bytes"] = over_shared_memory / args.steps
             if engine.startswith("fullshard"):
                 result["counted_bytes"] = (_fullshard_bytes() - counted_before) / args.steps
             total = torch.tensor([result["loss"]], device=device)
@@ -318,6 +323,9 @@ def _summarise(
             max(run["peak_mib"] for run in rank_runs[engine]) for rank_runs in gathered
         ]
         result.bytes_per_step = statistics.median(run["bytes"] for run in rank0_runs)
+        result.shared_memory_bytes_per_step = statistics.median(
+            run.get("shared_memory_bytes", 0.0) for run in rank0_runs
+        )
         result.loss = rank0_runs[-1]["loss"]
         results.append(result)
     return results
@@ -331,7 +339,8 @@ def _table(
         f"config {config.name}: {config.n_layers} layers, d_model {config.d_model}, ffn "
         f"{config.mlp_ratio * config.d_model}, {params / 1e6:.1f}M params, batch "
         f"{config.batch}x{config.seq_len} per rank; {args.world_size} ranks, {args.device}, "
-        f"{args.strategy}, precision {args.mixed_precision}, {args.rounds} rounds x {args.steps} steps",
+        f"{args.strategy}, precision {args.mixed_precision}, {args.rounds} rounds x {args.steps} steps"
+        + (f", transport {args.runs[0][2]}" if args.device == "cpu" else ""),
         "",
         "| engine | median step (s) | vs local | vs DDP | vs FSDP1 | vs FSDP2 | peak MiB per rank | MB sent per rank per step | final loss |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -405,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     gathered = _run_rounds(args)
     config = CONFIGS[args.config]
-    results = _summarise(gathered, args.engines)
+    results = _summarise(gathered, [label for label, _, _ in args.runs])
     params = num_params(GPT(config.gpt()))
     print(_table(results, config, args, params))
     _report_memory_model(results, config, args)
@@ -451,6 +460,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="BACKWARD_PRE",
         help="backward_prefetch for torch FSDP1 and fullshard (both default to BACKWARD_PRE)",
     )
+    parser.add_argument(
+        "--transports",
+        default=None,
+        help="comma-separated, from shm,rings (CPU): fullshard's engines between ranks of one "
+        "host through shared memory, and through the rings over gloo's TCP as between hosts "
+        "(FULLSHARD_SHM=0), listed as ENGINE@rings; default: the one FULLSHARD_SHM selects",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per engine per round")
     parser.add_argument("--warmup", type=int, default=1)
@@ -462,6 +478,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = sorted(set(args.engines) - set(ENGINES))
     if unknown:
         parser.error(f"unknown engines {unknown}; choose from {ENGINES}")
+    args.runs = _runs(parser, args)
     missing = sorted(set(args.engines) & set(TORCH_ENGINES) - set(available))
     if missing:
         parser.error(
@@ -471,19 +488,49 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+_TRANSPORTS = {"shm": "1", "rings": "0"}
+"""``--transports``: the ``FULLSHARD_SHM`` each sets for its runs."""
+
+
+def _runs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """(label, engine, transport) of every run a round: each engine over the first transport,
+    fullshard's also over the others (the rest never use fullshard's transport)."""
+    default = "rings" if os.environ.get("FULLSHARD_SHM", "1") == "0" else "shm"
+    transports = [t.strip() for t in (args.transports or default).split(",") if t.strip()]
+    unknown = sorted(set(transports) - set(_TRANSPORTS))
+    if unknown or not transports:
+        parser.error(f"unknown transports {unknown}; choose from {sorted(_TRANSPORTS)}")
+    if args.device == "cuda" and args.transports is not None:
+        parser.error("--transports picks how CPU ranks meet; CUDA ranks use NCCL")
+    runs = [(engine, engine, transports[0]) for engine in args.engines]
+    for transport in transports[1:]:
+        runs += [
+            (f"{engine}@{transport}", engine, transport)
+            for engine in args.engines
+            if engine.startswith("fullshard")
+        ]
+    return runs
+
+
 def _run_rounds(args: argparse.Namespace) -> list[dict[str, list[dict[str, Any]]]]:
-    """Every engine's runs, per rank: ``gathered[rank][engine]`` lists one result a round."""
+    """Every run's results, per rank: ``gathered[rank][label]`` lists one result a round."""
     out = f"/tmp/fullshard-bench-{os.getpid()}.json"
     gathered: list[dict[str, list[dict[str, Any]]]] = [
-        {engine: [] for engine in args.engines} for _ in range(args.world_size)
+        {label: [] for label, _, _ in args.runs} for _ in range(args.world_size)
     ]
+    saved = os.environ.get("FULLSHARD_SHM")
     for _ in range(args.rounds):  # A B C ..., A B C ...: drift hits every engine alike
-        for engine in args.engines:
+        for label, engine, transport in args.runs:
+            os.environ["FULLSHARD_SHM"] = _TRANSPORTS[transport]  # the ranks inherit it
             worker_args = (args, engine, _free_port(), out)
             mp.spawn(_worker, args=worker_args, nprocs=args.world_size, join=True)
             for rank, result in enumerate(json.loads(Path(out).read_text())):
-                gathered[rank][engine].append(result)
+                gathered[rank][label].append(result)
             os.remove(out)
+    if saved is None:
+        os.environ.pop("FULLSHARD_SHM", None)
+    else:
+        os.environ["FULLSHARD_SHM"] = saved
     return gathered
 
 

@@ -340,6 +340,26 @@ def test_bench_prints_table_and_writes_json(tmp_path: Path) -> None:
     assert data["predicted_fullshard_peak_mib"] > 0
 
 
+def test_bench_runs_fullshard_over_both_transports(tmp_path: Path) -> None:
+    """``--transports shm,rings``: fullshard's engine runs once over shared memory and once
+    over the rings (``ENGINE@rings``, nothing through shared memory), with the same loss;
+    DDP, which never uses fullshard's transport, runs once."""
+    out = tmp_path / "bench.json"
+    result = _run(["bench", "--config", "tiny", "--engines", "ddp,fullshard-fsdp2",
+                   "--transports", "shm,rings", "--rounds", "1", "--steps", "2", "--json",
+                   str(out)])  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "transport shm" in result.stdout
+    runs = {entry["engine"]: entry for entry in json.loads(out.read_text())["results"]}
+    assert list(runs) == ["ddp", "fullshard-fsdp2", "fullshard-fsdp2@rings"]
+    assert runs["fullshard-fsdp2"]["shared_memory_bytes_per_step"] > 0
+    assert runs["fullshard-fsdp2@rings"]["shared_memory_bytes_per_step"] == 0
+    assert runs["fullshard-fsdp2@rings"]["bytes_per_step"] > 0
+    assert runs["fullshard-fsdp2@rings"]["loss"] == runs["fullshard-fsdp2"]["loss"]
+    refused = _run(["bench", "--config", "tiny", "--transports", "shm,pigeons"])
+    assert refused.returncode == 2 and "unknown transports ['pigeons']" in refused.stderr
+
+
 def test_command_help_and_unknown_commands() -> None:
     """``fullshard --help`` lists the commands; an unknown one is an error that lists them;
     the console script is installed beside the interpreter."""
