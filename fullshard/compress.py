@@ -13,9 +13,11 @@
 - Gradients: ``bf16_gradients(policy)``: the ``MixedPrecisionPolicy`` with
   ``reduce_dtype=torch.bfloat16`` (half the bytes of a float32 reduce-scatter).
 - Keeping parameters over ``k`` ranks between forward and backward, ZeRO++'s secondary
-  shard (hpZ), is ``fully_shard``'s own ``reshard_after_forward=k`` for the other units; an
-  int8 weight's unit does not keep a ``k``-rank slice yet (it reshards fully and gathers
-  again over the whole shard group in backward).
+  shard (hpZ), is ``fully_shard``'s own ``reshard_after_forward=k``: an int8 weight keeps its
+  ``1/k`` of the gathered int8 rows and scales (a quarter of a float32 slice's bytes), and
+  backward all-gathers them within the group of ``k`` ranks, with no second quantization
+  (see [Note: all-gather extensions]). torch's ``fully_shard`` does not implement this
+  for any all-gather extension (its backward raises NotImplementedError).
 
 Apply ``int8_all_gather`` before ``fully_shard``.
 

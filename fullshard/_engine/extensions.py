@@ -26,6 +26,15 @@ the output buffers and the post-hook's tensors are kept from one unshard to the 
 their storage freed at reshard (autograd may have saved the unsharded tensor for backward):
 the next unshard gathers into the same buffers and calls the post-hook with ``out=`` the
 same unsharded tensor, so a saved tensor sees the refilled values.
+
+With ``reshard_after_forward=k`` (ZeRO++'s secondary shard, hpZ), the post-forward reshard
+keeps of each all-gather output this rank's ``1/k`` chunk (the outputs of the ranks
+``j * n/k ... (j+1) * n/k - 1``, ``j`` this rank's place in its group of ``k`` consecutive
+ranks) and the pre-hook's metadata; backward's unshard all-gathers those chunks within the
+group of ``k`` into the outputs and calls the post-hook: no second pre-hook (no second
+quantization) and no collective over the whole shard group. torch's FSDP2 keeps the one
+output of a parameter after forward, then raises NotImplementedError in backward for any
+parameter with an extension.
 """
 
 from __future__ import annotations
@@ -90,6 +99,18 @@ class _Gather:
 
 
 @dataclass
+class _PostForward:
+    """One parameter's all-gather outputs kept over the post-forward group of ``k`` ranks,
+    from its forward's reshard to its backward's unshard."""
+
+    chunks: list[torch.Tensor]
+    """This rank's ``1/k`` of each output."""
+    sizes: list[torch.Size]
+    """The all-gather inputs' sizes (how the outputs are viewed)."""
+    metadata: Any
+
+
+@dataclass
 class _Kept:
     """One parameter's unsharded tensor and the buffers behind it, kept (their storage freed)
     from one unshard to the next, as torch's FSDP2 keeps them: autograd may have saved the
@@ -104,6 +125,10 @@ class _Kept:
     nbytes: list[int]
     """Their storage's size in bytes, allocated again at the next unshard."""
     dtype: torch.dtype
+    sizes: list[torch.Size]
+    """The last all-gather's input sizes."""
+    metadata: Any
+    """The last pre-hook's metadata."""
 
 
 def _free(tensor: torch.Tensor) -> None:
@@ -130,6 +155,7 @@ class AllGatherExtensions:
         mp_policy: Any,
         shapes: list[torch.Size],
         modules: list[nn.Module],
+        post_forward_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.shard_mesh = mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]]  # type: ignore[index]
         """What ``fsdp_pre_all_gather`` is given: the mesh parameters are sharded over."""
@@ -143,17 +169,25 @@ class AllGatherExtensions:
         self.unsharded: dict[int, torch.Tensor] = {}
         """Parameter index -> its unsharded tensor built by ``fsdp_post_all_gather``."""
         self._kept: dict[int, _Kept] = {}
+        self._post_forward_group = post_forward_group
+        """``reshard_after_forward=k``: the group of ``k`` ranks outputs are kept over."""
+        self._post_forward: dict[int, _PostForward] = {}
 
     def issue(self, locals_: dict[int, torch.Tensor], device: torch.device, label: str) -> None:
         """Run the pre-hooks of the parameters in ``locals_`` (index -> local tensor) and issue
         their all-gathers (into the last unshard's buffers, where they fit)."""
         num_ranks = dist.get_world_size(self._group)
         for index, local in locals_.items():
+            post_forward = self._post_forward.pop(index, None)
+            if post_forward is not None:
+                self._pending.append(self._issue_post_forward(index, local, post_forward, label))
+                continue
             if local.device != device:
                 local = local.to(device)
             inputs, metadata = self._pre_all_gather(index, local)
             inputs = [t.contiguous() for t in inputs]
-            outputs = self._outputs(index, inputs, num_ranks)
+            wanted = [(t.numel() * num_ranks, t.dtype) for t in inputs]
+            outputs = self._outputs(index, wanted, inputs[0].device)
             gather = _Gather(index, local, inputs, [t.size() for t in inputs], metadata, outputs)
             gather.works = [
                 comm.all_gather_into(out, t.view(-1), self._group, f"{label} (extension)")
@@ -161,15 +195,31 @@ class AllGatherExtensions:
             ]
             self._pending.append(gather)
 
+    def _issue_post_forward(
+        self, index: int, local: torch.Tensor, kept: _PostForward, label: str
+    ) -> _Gather:
+        """The all-gather of the chunks kept after forward, within the group of ``k``."""
+        group = self._post_forward_group
+        assert group is not None, "kept only with reshard_after_forward=k"
+        k = dist.get_world_size(group)
+        wanted = [(chunk.numel() * k, chunk.dtype) for chunk in kept.chunks]
+        outputs = self._outputs(index, wanted, kept.chunks[0].device)
+        gather = _Gather(index, local, kept.chunks, kept.sizes, kept.metadata, outputs)
+        gather.works = [
+            comm.all_gather_into(out, chunk, group, f"{label} (extension, post-forward)")
+            for out, chunk in zip(outputs, kept.chunks)
+        ]
+        return gather
+
     def _outputs(
-        self, index: int, inputs: list[torch.Tensor], num_ranks: int
+        self, index: int, wanted: list[tuple[int, torch.dtype]], device: torch.device
     ) -> list[torch.Tensor]:
-        """The kept buffers, their storage allocated again, if they fit ``inputs``; else new."""
+        """The kept buffers, their storage allocated again, if they are ``wanted`` (numel,
+        dtype per output); else new."""
         kept = self._kept.get(index)
-        wanted = [(t.numel() * num_ranks, t.dtype) for t in inputs]
         if kept is None or [(o.numel(), o.dtype) for o in kept.outputs] != wanted:
             self._kept.pop(index, None)
-            return [t.new_empty(t.numel() * num_ranks) for t in inputs]
+            return [torch.empty(numel, dtype=dtype, device=device) for numel, dtype in wanted]
         for out in kept.outputs:
             _allocate(out, out.numel() * out.element_size())
         return kept.outputs
@@ -204,6 +254,7 @@ class AllGatherExtensions:
                 for tensor, nbytes in zip(kept.to_free, kept.nbytes):
                     _allocate(tensor, nbytes)
                 hook(outputs, gather.metadata, dtype, out=kept.unsharded)
+                kept.sizes, kept.metadata = gather.sizes, gather.metadata
             else:
                 unsharded, to_free = hook(outputs, gather.metadata, dtype)
                 kept = self._keep(gather, unsharded, to_free, dtype)
@@ -224,18 +275,41 @@ class AllGatherExtensions:
             tensors,
             [_nbytes(t) for t in tensors],
             dtype,
+            gather.sizes,
+            gather.metadata,
         )
         self._kept[gather.index] = kept
         return kept
 
-    def reshard(self) -> None:
+    def reshard(self, after_forward: bool = False) -> None:
         """Drop the unsharded tensors and free the storage behind them (what autograd saved
-        of them holds none until the next unshard refills it, as torch's FSDP2 does)."""
+        of them holds none until the next unshard refills it, as torch's FSDP2 does);
+        ``after_forward`` with ``reshard_after_forward=k``, keep this rank's chunk of each
+        output first."""
         for gather in self._pending:
             for work in gather.works:
                 work.wait()
         self._pending = []
+        if after_forward and self._post_forward_group is not None:
+            self._keep_post_forward()
+        else:
+            self._post_forward.clear()
         self.unsharded = {}
         for kept in self._kept.values():
             for tensor in kept.to_free:
                 _free(tensor)
+
+    def _keep_post_forward(self) -> None:
+        group = self._post_forward_group
+        k, place = dist.get_world_size(group), dist.get_rank(group)
+        for index in self.unsharded:
+            kept = self._kept[index]
+            chunks = []
+            for out in kept.outputs:
+                size = out.numel() // k  # n ranks' outputs, n a multiple of k
+                chunks.append(out.view(-1).narrow(0, place * size, size).clone())
+            self._post_forward[index] = _PostForward(chunks, kept.sizes, kept.metadata)
+
+    def drop_post_forward(self) -> None:
+        """The parameters changed since their forward: what was kept is stale."""
+        self._post_forward.clear()

@@ -175,6 +175,7 @@ class FlatParamHandle(OrigParamViews, SummonViews, GradReduction):
             dtensor_params.mp_policy,
             [p.shape for p in params],
             [slot_owners[0][0] for slot_owners in owners],
+            dtensor_params.post_forward_group,
         )
         return subclasses, extensions
 
@@ -457,6 +458,8 @@ class FlatParamHandle(OrigParamViews, SummonViews, GradReduction):
         if self._shard_version() != self._shard_version_at_unshard:
             for segment in self._segments:  # kept over k ranks, then changed: stale
                 segment.drop_post_forward()
+            if self._extensions is not None:
+                self._extensions.drop_post_forward()
         self._shard_version_at_unshard = self._shard_version()
         in_flight = False
         for index, segment in enumerate(self._segments):
@@ -529,7 +532,7 @@ class FlatParamHandle(OrigParamViews, SummonViews, GradReduction):
         for segment in self._segments:
             segment.reshard(after_forward)
         if self._extensions is not None:
-            self._extensions.reshard()
+            self._extensions.reshard(after_forward)
         if self._use_orig_params:
             self._use_sharded_params()
         self.state = HandleState.SHARDED
