@@ -162,8 +162,9 @@ def _add_fsdp_arguments(parser: argparse.ArgumentParser) -> None:
         default=(),
         help="fsdp2: compressed communication, comma-separated from "
         f"{', '.join(COMPRESSIONS)} (fullshard.compress): int8-weights all-gathers weight "
-        "matrices as int8 (a float32 scale per column; the fp32 shard stays the master "
-        "copy), bf16-grads reduces gradients in bf16",
+        "matrices as int8 (float32 scales per column of each rank's rows; the fp32 shard "
+        "stays the master copy; with --reshard-after-forward K, kept as int8 over K ranks "
+        "for backward), bf16-grads reduces gradients in bf16",
     )
     fsdp.add_argument(
         "--mixed-precision",
