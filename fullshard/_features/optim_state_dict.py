@@ -315,6 +315,22 @@ def _local_states(
     return {id(ordered[key].param): dict(value) for key, value in source["state"].items()}
 
 
+def check_fsdp1_units(units: list[Unit], what: str) -> None:
+    """FSDP1's optimizer state dict functions read FSDP1 units: a ``fully_shard`` unit's
+    parameters are DTensors, whose states torch's checkpoint API reads (torch fails here
+    with an AttributeError; fullshard says what to call instead)."""
+    fsdp2 = [unit for unit in units if unit.settings.sharding.mesh is not None]
+    if fsdp2:
+        name = type(fsdp2[0].module).__name__
+        raise RuntimeError(
+            f"FullyShardedDataParallel.{what} reads FullyShardedDataParallel (FSDP1) units, "
+            f"but the module of type {name} (and {len(fsdp2) - 1} more) was sharded by "
+            "fully_shard (FSDP2): use torch.distributed.checkpoint.state_dict's "
+            "get_optimizer_state_dict(model, optim) to save its optimizer's state and "
+            "set_optimizer_state_dict(model, optim, state_dict) to load it"
+        )
+
+
 def produce(
     model: nn.Module,
     optim: torch.optim.Optimizer,
@@ -327,6 +343,7 @@ def produce(
 ) -> dict[str, Any]:
     """The FULL or SHARDED optimizer state dict (see [Note: optimizer state keys])."""
     units = units_in(model)
+    check_fsdp1_units(units, "optim_state_dict()")
     _check_idle(units, "optim_state_dict()")
     params, unit_fqns = _model_params(model, units)
     groups = [list(group["params"]) for group in optim.param_groups]

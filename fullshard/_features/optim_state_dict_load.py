@@ -28,7 +28,13 @@ from torch.distributed.tensor import DTensor
 from .._comm import collectives as comm
 from .._engine.unit import units_in
 from ..api import StateDictType, from_torch
-from .optim_state_dict import OptimStateKeyType, _model_params, _optimizer_params, _OptimParam
+from .optim_state_dict import (
+    OptimStateKeyType,
+    _model_params,
+    _optimizer_params,
+    _OptimParam,
+    check_fsdp1_units,
+)
 from .state_dict import _check_idle
 from .state_dict_type import get_state_dict_type
 
@@ -110,6 +116,7 @@ def load(
     optimizer over ``groups`` (see [Note: optimizer state keys]). Collective."""
     where = "optim_state_dict_to_load()"
     units = units_in(model)
+    check_fsdp1_units(units, where)
     _check_idle(units, where)
     params, _ = _model_params(model, units)
     ordered = _optimizer_params(params, groups, where)

@@ -232,6 +232,40 @@ def test_flattened_optimizer_state_into_a_stepped_optimizer_is_refused() -> None
     run_on_ranks(2, _flattened_into_stepped_optimizer)
 
 
+def _fsdp1_optimizer_functions_on_fully_shard() -> None:
+    from fullshard import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2))  # 5 rows: uneven over 2 ranks
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    optim.step()
+    hint = "sharded by fully_shard .*get_optimizer_state_dict.*set_optimizer_state_dict"
+    with pytest.raises(RuntimeError, match=hint):
+        FSDP.optim_state_dict(model, optim)
+    state = get_optimizer_state_dict(model, optim)  # what the error points to works
+    assert set(state["state"]) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+    full = {"state": {k: {n: _full(v) for n, v in s.items()} for k, s in state["state"].items()}}
+    with pytest.raises(RuntimeError, match=hint):
+        FSDP.optim_state_dict_to_load(model, optim, full)
+    set_optimizer_state_dict(model, optim, state)
+
+
+def _full(value: Any) -> Any:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def test_fsdp1_optimizer_state_dicts_of_a_fully_shard_model_point_to_torchs_api() -> None:
+    """``FSDP.optim_state_dict`` / ``optim_state_dict_to_load`` on a ``fully_shard`` model
+    (torch fails with an AttributeError; before, fullshard failed inside DTensor on an
+    uneven shard) raise an error naming ``get_optimizer_state_dict`` and
+    ``set_optimizer_state_dict``, which save and load its state."""
+    run_on_ranks(2, _fsdp1_optimizer_functions_on_fully_shard)
+
+
 _IMPORT_ORDER = """
 import sys, tempfile
 import torch, torch.distributed as dist
