@@ -5,26 +5,16 @@ gradient reductions (``fullshard.compress``), run as a user would (``python -m f
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from train_cli import STEPS, TINY, run_cli, stop_after_checkpoint
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--sample-bytes", "16"]
-STEPS = ["--steps", "24", "--checkpoint-every", "4", "--warmup-steps", "4"]
 FSDP2 = ["--api", "fsdp2", "--ranks", "2"]
 COMPRESS = ["--compress-comm", "int8-weights,bf16-grads"]
 
 
-def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "fullshard", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=REPO,
-    )  # fmt: skip
+_run = run_cli
 
 
 @pytest.fixture(scope="module")
@@ -63,25 +53,8 @@ def test_compressed_run_stopped_resumes_to_the_uninterrupted_curve(
     """A compressed run stopped by SIGTERM after a checkpoint (the int8 weights saved as
     their full-precision values, plain tensors) resumes with --resume to the uninterrupted
     compressed run's 24 losses."""
-    metadata = tmp_path / "checkpoint" / "fullshard.json"
     args = ["train", *TINY, *STEPS, *FSDP2, *COMPRESS, "--out", str(tmp_path)]
-    run = subprocess.Popen(
-        [sys.executable, "-m", "fullshard", *args],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and run.poll() is None:
-        try:
-            if json.loads(metadata.read_text())["extra"]["step"] >= 8:
-                break
-        except (OSError, json.JSONDecodeError, KeyError):
-            pass
-        time.sleep(0.05)
-    run.send_signal(signal.SIGTERM)
-    _, stderr = run.communicate(timeout=60)
-    assert run.returncode == 128 + signal.SIGTERM, stderr[-3000:]
-    saved_step = json.loads(metadata.read_text())["extra"]["step"]
-    assert 8 <= saved_step < 24
+    saved_step = stop_after_checkpoint(args[1:], tmp_path)
     result = _run([*args, "--resume"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())

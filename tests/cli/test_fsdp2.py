@@ -5,29 +5,15 @@ a user would (``python -m fullshard``, 2 CPU ranks, the tiny preset)."""
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from train_cli import STEPS, TINY, assert_same_curve, run_cli, stop_after_checkpoint
 
 from fullshard.cli.plan import PRESETS, fsdp2_strategy, make_plan
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--sample-bytes", "16"]
-STEPS = ["--steps", "24", "--checkpoint-every", "4", "--warmup-steps", "4"]
-
-
-def _run(
-    args: list[str], timeout: float = 300, **kwargs: object
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "fullshard", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=REPO, **kwargs,
-    )  # type: ignore[call-overload]  # fmt: skip
+_run = run_cli
 
 
 def _train(out: Path, *args: str, **kwargs: object) -> dict[str, object]:
@@ -36,12 +22,6 @@ def _train(out: Path, *args: str, **kwargs: object) -> dict[str, object]:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report: dict[str, object] = json.loads((out / "report.json").read_text())
     return report
-
-
-def _assert_same_curve(got: object, want: object) -> None:
-    assert isinstance(got, list) and isinstance(want, list) and len(got) == len(want) == 24
-    for a, b in zip(got, want):
-        assert abs(a - b) <= 1e-5 * abs(b), (got, want)
 
 
 @pytest.fixture(scope="module")
@@ -60,37 +40,12 @@ def test_train_fsdp2_gives_the_fsdp1_losses_full_shard_fp32(
     within 1e-5 relative (same seed and batches; only gradient clipping's norm is summed in
     another order), and the report records the API and how it sharded."""
     fsdp1, fsdp2 = uninterrupted["fsdp1"], uninterrupted["fsdp2"]
-    _assert_same_curve(fsdp2["losses"], fsdp1["losses"])
+    assert_same_curve(fsdp2["losses"], fsdp1["losses"])
     assert fsdp2["api"] == "fsdp2" and fsdp1["api"] == "fsdp1"
     assert fsdp2["sharding"] == (
         "FULL_SHARD as fully_shard(reshard_after_forward=True) on a 1-D mesh"
     )
     assert fsdp2["params"] == fsdp1["params"]  # the plain model's, not rank 0's shards
-
-
-def _stop_after_checkpoint(out: Path, api: str) -> int:
-    """Start a ``STEPS`` run, SIGTERM it once a checkpoint of step 8 or later is complete;
-    returns that checkpoint's step."""
-    metadata = out / "checkpoint" / "fullshard.json"
-    run = subprocess.Popen(
-        [sys.executable, "-m", "fullshard", "train", *TINY, *STEPS, "--api", api,
-         "--out", str(out)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and run.poll() is None:
-        try:
-            if json.loads(metadata.read_text())["extra"]["step"] >= 8:
-                break
-        except (OSError, json.JSONDecodeError, KeyError):
-            pass
-        time.sleep(0.1)
-    run.send_signal(signal.SIGTERM)
-    _, stderr = run.communicate(timeout=60)
-    assert run.returncode == 128 + signal.SIGTERM, stderr[-3000:]
-    step: int = json.loads(metadata.read_text())["extra"]["step"]
-    assert 8 <= step < 24
-    return step
 
 
 @pytest.mark.parametrize("first_api", ["fsdp2", "fsdp1"])
@@ -102,12 +57,12 @@ def test_train_fsdp2_stopped_run_resumes_to_the_uninterrupted_curve(
     model under the same keys (the plain model's FQNs), so an fsdp1 run resumes under fsdp2
     as well."""
     out = tmp_path / "stopped"
-    saved_step = _stop_after_checkpoint(out, first_api)
+    saved_step = stop_after_checkpoint([*TINY, *STEPS, "--api", first_api, "--out", str(out)], out)
     saved_api = json.loads((out / "checkpoint" / "fullshard.json").read_text())["api"]
     assert saved_api == {"fsdp1": "FullyShardedDataParallel", "fsdp2": "fully_shard"}[first_api]
     report = _train(out, *STEPS, "--api", "fsdp2", "--resume")
     assert report["resumed_at"] == [saved_step]
-    _assert_same_curve(report["losses"], uninterrupted[first_api]["losses"])
+    assert_same_curve(report["losses"], uninterrupted[first_api]["losses"])
 
 
 @pytest.mark.parametrize(

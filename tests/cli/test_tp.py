@@ -6,17 +6,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from train_cli import STEPS, TINY, assert_same_curve, run_cli, stop_after_checkpoint
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--sample-bytes", "16"]
-STEPS = ["--steps", "24", "--checkpoint-every", "4", "--warmup-steps", "4"]
 CLIP = ["--grad-clip", "0.05"]
 """Small enough to clip at every step: the two meshes' norm (`_clip_across_meshes`) counts."""
 TP2 = ["--api", "fsdp2", "--ranks", "4", "--tp", "2"]
@@ -24,19 +18,7 @@ TP2 = ["--api", "fsdp2", "--ranks", "4", "--tp", "2"]
 TP1 = ["--api", "fsdp2", "--ranks", "2"]
 
 
-def _run(
-    args: list[str], timeout: float = 300, **kwargs: object
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "fullshard", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=REPO, **kwargs,
-    )  # type: ignore[call-overload]  # fmt: skip
-
-
-def _assert_same_curve(got: object, want: object) -> None:
-    assert isinstance(got, list) and isinstance(want, list) and len(got) == len(want) == 24
-    for a, b in zip(got, want):
-        assert abs(a - b) <= 1e-5 * abs(b), (got, want)
+_run = run_cli
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +43,7 @@ def test_train_tp2_gives_the_losses_of_tp1_on_as_many_data_parallel_rows(
     the clipping norm over both meshes is the model's; the log and the report state the tp
     degree, and a step's tokens count each row once."""
     tp2, tp1 = uninterrupted["tp2"], uninterrupted["tp1"]
-    _assert_same_curve(tp2["losses"], tp1["losses"])
+    assert_same_curve(tp2["losses"], tp1["losses"])
     assert tp2["heldout_loss"] == pytest.approx(tp1["heldout_loss"], rel=1e-5)
     assert (tp2["tp"], tp2["dp"], tp2["world_size"]) == (2, 2, 4)
     assert (tp1["tp"], tp1["dp"], tp1["world_size"]) == (1, 2, 2)
@@ -76,31 +58,6 @@ def test_train_tp2_gives_the_losses_of_tp1_on_as_many_data_parallel_rows(
     assert tp2["params"] == tp1["params"]  # the plain model's
 
 
-def _stop_after_checkpoint(out: Path) -> int:
-    """Start a ``STEPS`` run with ``TP2``, SIGTERM it once a checkpoint of step 8 or later is
-    complete; returns that checkpoint's step."""
-    metadata = out / "checkpoint" / "fullshard.json"
-    run = subprocess.Popen(
-        [sys.executable, "-m", "fullshard", "train", *TINY, *STEPS, *CLIP, *TP2,
-         "--out", str(out)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and run.poll() is None:
-        try:
-            if json.loads(metadata.read_text())["extra"]["step"] >= 8:
-                break
-        except (OSError, json.JSONDecodeError, KeyError):
-            pass
-        time.sleep(0.05)
-    run.send_signal(signal.SIGTERM)
-    _, stderr = run.communicate(timeout=60)
-    assert run.returncode == 128 + signal.SIGTERM, stderr[-3000:]
-    step: int = json.loads(metadata.read_text())["extra"]["step"]
-    assert 8 <= step < 24
-    return step
-
-
 def test_train_tp_stopped_run_resumes_to_the_uninterrupted_curve(
     tmp_path: Path, uninterrupted: dict[str, dict[str, object]]
 ) -> None:
@@ -110,7 +67,7 @@ def test_train_tp_stopped_run_resumes_to_the_uninterrupted_curve(
     it ends with those of the uninterrupted --tp 1 run, and its report and chart cover both
     world sizes."""
     out = tmp_path / "stopped"
-    saved_step = _stop_after_checkpoint(out)
+    saved_step = stop_after_checkpoint([*TINY, *STEPS, *CLIP, *TP2, "--out", str(out)], out)
     saved = json.loads((out / "checkpoint" / "fullshard.json").read_text())
     assert saved["api"] == "fully_shard"
     shutil.copytree(out, tmp_path / "as_tp1")
@@ -120,7 +77,7 @@ def test_train_tp_stopped_run_resumes_to_the_uninterrupted_curve(
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         report = json.loads((folder / "report.json").read_text())
         assert report["resumed_at"] == [saved_step] and report["tp"] == tp
-        _assert_same_curve(report["losses"], uninterrupted[f"tp{tp}"]["losses"])
+        assert_same_curve(report["losses"], uninterrupted[f"tp{tp}"]["losses"])
 
 
 def test_train_tp_misuse_is_refused_before_the_ranks_start() -> None:

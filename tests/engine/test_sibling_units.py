@@ -79,21 +79,29 @@ def _moe_on_per_parameter_meshes(api: str, steps: int = 5) -> tuple[nn.Module, l
     """Experts sharded over 2 ranks and replicated over the other 2 (HSDP), everything
     else over all 4, in one ``fully_shard`` call per block."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp._fully_shard._fsdp_common import (
-        HSDPMeshInfo,
-        ShardPlacementResult,
-    )
+    from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
+
+    dp_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    expert_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep_replicate", "ep_shard"))
+    experts_info = HSDPMeshInfo(expert_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    model = _MoE()
+    _shard_moe(api, model, dp_mesh, experts_info)
+    return model, _train(model, steps, dist.get_rank())
+
+
+def _shard_moe(
+    api: str, model: nn.Module, dp_mesh: object, experts_info: object, divide_by: int = 0
+) -> None:
+    """``fully_shard`` (torch's or fullshard's) each block over ``dp_mesh``, its experts by a
+    ``ShardPlacementResult`` on ``experts_info``, then the root; ``divide_by``: each block's
+    gradient divide factor, reduced as sums."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
     from torch.distributed.tensor import Shard
 
     if api == "torch":
         from torch.distributed.fsdp import fully_shard
     else:
         from fullshard import fully_shard  # type: ignore[assignment]
-
-    dp_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-    expert_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep_replicate", "ep_shard"))
-    experts_info = HSDPMeshInfo(expert_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
-    model = _MoE()
     expert_params = {id(p) for block in model.blocks for p in block.experts.parameters()}
 
     def placement(param: nn.Parameter) -> object:
@@ -103,8 +111,10 @@ def _moe_on_per_parameter_meshes(api: str, steps: int = 5) -> tuple[nn.Module, l
 
     for block in model.blocks:
         fully_shard(block, mesh=dp_mesh, shard_placement_fn=placement)
+        if divide_by:
+            block.set_gradient_divide_factor(divide_by)
+            block.set_force_sum_reduction_for_comms(True)
     fully_shard(model, mesh=dp_mesh)
-    return model, _train(model, steps, dist.get_rank())
 
 
 def _per_parameter_meshes() -> None:
@@ -254,16 +264,7 @@ def _moe_with_expert_parallel(api: str) -> tuple[nn.Module, list[float]]:
     """(edp 2, ep 2) on 4 ranks, each with its own batch: experts split over ep and sharded
     over edp (a ``ShardPlacementResult`` on the edp mesh), everything else over all 4."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp._fully_shard._fsdp_common import (
-        FSDPMeshInfo,
-        ShardPlacementResult,
-    )
-    from torch.distributed.tensor import Shard
-
-    if api == "torch":
-        from torch.distributed.fsdp import fully_shard
-    else:
-        from fullshard import fully_shard  # type: ignore[assignment]
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 
     world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
     dp_mesh = world._flatten("dp")
@@ -272,20 +273,9 @@ def _moe_with_expert_parallel(api: str) -> tuple[nn.Module, list[float]]:
     for block in model.blocks:
         block.router = nn.Linear(_DIM, _EXPERTS_EP)
         block.experts = _ParallelExperts(world["ep"])
-    expert_params = {id(p) for block in model.blocks for p in block.experts.parameters()}
-
-    def placement(param: nn.Parameter) -> object:
-        if id(param) in expert_params:
-            return ShardPlacementResult(Shard(0), experts_info)
-        return None
-
-    for block in model.blocks:
-        fully_shard(block, mesh=dp_mesh, shard_placement_fn=placement)
-        # experts' gradients are summed over the ep group's batches: divide by all 4 (with
-        # sums on the wire: gloo has no PREMUL_SUM, which torch would use for the factor)
-        block.set_gradient_divide_factor(4)
-        block.set_force_sum_reduction_for_comms(True)
-    fully_shard(model, mesh=dp_mesh)
+    # experts' gradients are summed over the ep group's batches: divide by all 4 (with sums
+    # on the wire: gloo has no PREMUL_SUM, which torch would use for the factor)
+    _shard_moe(api, model, dp_mesh, experts_info, divide_by=4)
     return model, _train(model, 5, dist.get_rank())
 
 
