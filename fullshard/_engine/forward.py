@@ -41,7 +41,7 @@ def lazy_init(root: Unit) -> None:
         unit.runtime.is_root = unit is root
         unit.runtime.beside_root = unit.sibling_of is root  # the root's rule, for its groups
         if unit.handle is not None:
-            unit.handle.label = fqn
+            unit.handle.label = f"{fqn} [{unit.tag}]" if unit.tag else fqn
             unit.handle.adopt_replaced_data()
             unit.handle.init_optimizers_in_backward()
         unit.managed_buffers = (

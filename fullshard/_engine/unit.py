@@ -75,6 +75,9 @@ class Unit:
         self.superseded = False
         """Set when the module was wrapped again (FSDP1: the new wrapper drives the nested
         units now, so this one refuses to run)."""
+        self.tag = ""
+        """``fully_shard``: what sets the unit apart from the others of its call (a mesh, a
+        dtype, all-gather extensions; see [Note: sibling units]), shown in its label."""
         self.siblings: list[Unit] = []
         """Units one ``fully_shard`` call built beside this one for the same modules, over
         other meshes or dtypes (see [Note: sibling units]); driven with it, never alone."""

@@ -44,6 +44,9 @@ class ParamGroup:
     params: list[nn.Parameter] = field(default_factory=list)
     dims: dict[int, int] = field(default_factory=dict)
     """id(param) -> the dim it is sharded on (absent: dim 0)."""
+    tag: str = ""
+    """What sets the group apart from the call's first (its mesh, its dtype, its all-gather
+    extensions), e.g. ``"mesh (ep_replicate 2, ep_shard 2)"``; its unit's label shows it."""
 
     def shard_dim(self) -> Callable[[nn.Parameter], int] | None:
         """Each parameter's dim, for the unit's settings (None: dim 0 for every one)."""
@@ -71,7 +74,8 @@ def param_groups(
         param_mesh = mesh
         if hasattr(placement, "mesh_info"):  # torch 2.13's ShardPlacementResult
             placement, param_mesh = _placement_mesh(placement, name)
-        group = by_mesh.setdefault(_mesh_key(param_mesh), ParamGroup(param_mesh))
+        tag = "" if param_mesh is mesh else _describe(param_mesh)
+        group = by_mesh.setdefault(_mesh_key(param_mesh), ParamGroup(param_mesh, tag=tag))
         group.params.append(param)
         dim = _shard_dim(placement, param, name, param_mesh)
         if dim:
@@ -79,6 +83,12 @@ def param_groups(
     groups = [g for i, g in enumerate(by_mesh.values()) if i == 0 or g.params]
     groups = [split for group in groups for split in _split_extensions(group)]
     return [split for group in groups for split in _split_by_dtype(group)]
+
+
+def _describe(mesh: DeviceMesh) -> str:
+    """``"mesh (ep_replicate 2, ep_shard 2)"``, or ``"mesh (2, 2)"`` without dim names."""
+    names = mesh.mesh_dim_names or ("",) * mesh.ndim
+    return "mesh (" + ", ".join(f"{n} {s}".strip() for n, s in zip(names, mesh.shape)) + ")"
 
 
 def _mesh_key(mesh: DeviceMesh) -> tuple[Any, ...]:
@@ -144,12 +154,16 @@ def _split_extensions(group: ParamGroup) -> list[ParamGroup]:
     extended = [is_extension_subclass(p) for p in group.params]
     if all(extended) or not any(extended):
         return [group]
-    return [_subgroup(group, lambda i: not extended[i]), _subgroup(group, lambda i: extended[i])]
+    return [
+        _subgroup(group, lambda i: not extended[i]),
+        _subgroup(group, lambda i: extended[i], "all-gather extensions"),
+    ]
 
 
-def _subgroup(group: ParamGroup, keep: Callable[[int], bool]) -> ParamGroup:
-    """The parameters of ``group`` whose index ``keep`` takes, with their dims."""
-    part = ParamGroup(group.mesh)
+def _subgroup(group: ParamGroup, keep: Callable[[int], bool], tag: str = "") -> ParamGroup:
+    """The parameters of ``group`` whose index ``keep`` takes, with their dims; ``tag`` is
+    added to the group's."""
+    part = ParamGroup(group.mesh, tag=", ".join(t for t in (group.tag, tag) if t))
     for index, param in enumerate(group.params):
         if keep(index):
             part.params.append(param)
@@ -170,7 +184,8 @@ def _split_by_dtype(group: ParamGroup) -> list[ParamGroup]:
         return [group]
     dtypes = [p.dtype for p in group.params]
     return [
-        _subgroup(group, functools.partial(_is, dtypes, dtype)) for dtype in dict.fromkeys(dtypes)
+        _subgroup(group, functools.partial(_is, dtypes, dtype), str(dtype).removeprefix("torch."))
+        for dtype in dict.fromkeys(dtypes)
     ]
 
 

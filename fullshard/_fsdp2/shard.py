@@ -132,6 +132,7 @@ def _build_units(
         excluded = {p for other in groups if other is not group for p in other.params}
         primary = units[0] if units else None
         unit = build_unit(members[0], target, settings, excluded, members[1:], primary)
+        unit.tag = group.tag
         register_state_dict_hooks(unit)
         units.append(unit)
     return units

@@ -125,7 +125,13 @@ def _per_parameter_meshes() -> None:
     )
     from torch.distributed.tensor import Replicate, Shard
 
+    from fullshard._comm.collectives import COUNTERS
+
+    COUNTERS.reset()
     ours, our_losses = _moe_on_per_parameter_meshes("fullshard")
+    # the experts' unit is named apart from the rest of its block's
+    labels = {label for _, label in COUNTERS.labels}
+    assert {"blocks.0", "blocks.0 [mesh (ep_replicate 2, ep_shard 2)]"} <= labels, labels
     theirs, their_losses = _moe_on_per_parameter_meshes("torch")
     assert our_losses == pytest.approx(their_losses, rel=1e-5), (our_losses, their_losses)
     experts = ours.blocks[0].experts  # type: ignore[index]
@@ -194,6 +200,9 @@ def _train_mixed(policy_dtype: torch.dtype | None) -> None:
     units = fully_shard.state(model).siblings  # type: ignore[attr-defined]
     assert len(units) == 1, "one sibling: the float32 parameters beside the float64 ones"
     losses = _train(model, 4, dist.get_rank())
+    unit = fully_shard.state(model)  # type: ignore[attr-defined]
+    labels = [each.label for each in (unit, *unit.siblings)]
+    assert labels == ["(root) [float64]", "(root) [float32]"], labels
     assert {p.dtype for p in model.norm.parameters()} == {torch.float32}
     assert model.fc1.weight.dtype == torch.float64
     # one process: computes as the policy says, the optimizer steps on the own dtypes
