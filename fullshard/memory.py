@@ -28,9 +28,40 @@ gives the bytes one rank holds at its peak, split the way they are allocated:
   [Note: shared-memory transport]): per slot, every rank's cell up to the largest piece;
   with ``post_forward_shards`` also the file of this rank's group of ``k``.
 
+- ``transient``: short-lived tensors of the step that the terms above leave out (see
+  [Note: transient tensors of the step]).
+
 ``peak_added`` is what training adds on top of the parameters already built:
-``grads + optimizer + unsharded + activations + staging``; the benchmark compares it with
-the measured peak.
+``grads + optimizer + unsharded + activations + staging + transient``; the benchmark
+compares it with the measured peak, for each door (``api``: ``"fsdp1"`` for
+``FullyShardedDataParallel``, ``"fsdp2"`` for ``fully_shard``).
+
+[Note: transient tensors of the step]
+Three kinds, each allocated by code the model can name:
+
+- the optimizer's temporaries (``optim_temporaries``): torch's Adam off CUDA runs its
+  single-tensor loop (``foreach`` is for CUDA tensors only), which per parameter builds
+  ``exp_avg_sq.sqrt()`` and its quotient by the bias correction before adding eps in place:
+  two tensors of that parameter's size, in the parameters' dtype. The optimizer sees one flat
+  shard per unit through ``FullyShardedDataParallel`` (two of the largest unit's shard) and
+  each parameter's DTensor shard through ``fully_shard`` (two of the largest parameter's
+  shard, ``largest_param_numel``). Not counted with parameter offload (the step runs on the
+  host).
+- ``fully_shard``'s gradient copy-in: its unsharded parameters are separate tensors, so the
+  backward of a unit's unflatten node holds every parameter's gradient while it copies them
+  into the one flat gradient that is reduce-scattered (``_Unflatten.backward`` in
+  ``_engine/dim0_unsharded.py``): one more unit-sized gradient in the compute dtype.
+  ``FullyShardedDataParallel``'s parameters are views of the flat buffer and autograd
+  accumulates into the flat gradient itself.
+- mixed precision (``compute_bytes != param_bytes``): the all-gather's input is the shard
+  cast to the compute dtype (``FlatSegment.unshard``), alive until the all-gather lands, for
+  the unit being gathered and the one prefetched (two of the largest unit's shard, compute
+  dtype); the reduced gradient shard is cast back to the parameters' dtype before it is
+  added to the sharded gradient (``finalize_grad``: one of the largest unit's shard).
+
+``api`` is the door (``"fsdp1"``, ``"fsdp2"``); ``optim_temporaries`` the tensors the
+optimizer's step builds per parameter (Adam off CUDA: 2; default 0); ``largest_param_numel``
+the largest original parameter (default: a whole unit).
 """
 
 from __future__ import annotations
@@ -60,6 +91,8 @@ STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRI
 _KEEPS_UNSHARDED_AFTER_FORWARD = ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2")
 _HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 _PAGE = 4096
+APIS = ("fsdp1", "fsdp2")
+"""The doors: ``FullyShardedDataParallel`` and ``fully_shard``."""
 
 
 def _strategy_name(strategy: Strategy) -> str:
@@ -79,11 +112,14 @@ class MemoryEstimate:
     unsharded: int
     activations: int
     staging: int = 0
+    transient: int = 0
+    """See [Note: transient tensors of the step]."""
 
     @property
     def peak_added(self) -> int:
         """What training adds to the parameters built before it (the measured quantity)."""
-        return self.grads + self.optimizer + self.unsharded + self.activations + self.staging
+        held = self.grads + self.optimizer + self.unsharded + self.activations
+        return held + self.staging + self.transient
 
     @property
     def total(self) -> int:
@@ -134,6 +170,9 @@ def estimate(
     trainable_numels: list[int] | None = None,
     root_trainable_numel: int | None = None,
     post_forward_shards: int | None = None,
+    api: str = "fsdp1",
+    optim_temporaries: int = 0,
+    largest_param_numel: int | None = None,
 ) -> MemoryEstimate:
     """Per-rank peak memory of training with one FSDP unit per entry of ``unit_numels``
     (the root unit's own parameters in ``root_numel``). ``compute_bytes`` is the compute
@@ -146,26 +185,18 @@ def estimate(
     reduction dtype's size (default ``compute_bytes``). ``trainable_numels`` (and
     ``root_trainable_numel``) give the elements of each unit that require grad when some
     are frozen (default: all): gradients and optimizer state count those only.
-    ``post_forward_shards``: ``fully_shard(reshard_after_forward=k)``'s ``k``."""
+    ``post_forward_shards``: ``fully_shard(reshard_after_forward=k)``'s ``k``. ``api``,
+    ``optim_temporaries``, ``largest_param_numel``: [Note: transient tensors of the step]."""
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     name = _strategy_name(strategy)
     compute_bytes = compute_bytes or param_bytes
     shards = _shard_ranks(name, world_size, shard_group_size)
     _check_post_forward(name, shards, post_forward_shards)
-    numels = [*unit_numels, root_numel]
     trainable = _trainable(unit_numels, root_numel, trainable_numels, root_trainable_numel)
-    # A mixed unit's trainable and frozen segments are padded and sharded on their own.
-    sharded = sum(
-        _shard(t, shards) + _shard(n - t, shards) if _is_mixed(n, t) else _shard(n, shards)
-        for n, t in zip(numels, trainable)
-    )
-    sharded_trainable = sum(_shard(t, shards) for t in trainable)
-    params = sharded * param_bytes
-    grads = sharded_trainable * param_bytes
-    optimizer = sharded_trainable * param_bytes * optim_states_per_param
-    if offload_params:
-        params = grads = optimizer = 0
+    params, grads, optimizer = (0, 0, 0) if offload_params else _model_state(
+        [*unit_numels, root_numel], trainable, shards, param_bytes, optim_states_per_param
+    )  # fmt: skip
     unsharded = _unsharded_numel(name, unit_numels, trainable, root_numel) * compute_bytes
     if post_forward_shards:
         unsharded += sum(_shard(n, post_forward_shards) for n in unit_numels) * compute_bytes
@@ -175,7 +206,53 @@ def estimate(
             unit_numels, trainable, shards, compute_bytes, reduce_bytes or compute_bytes,
             shared_memory_cell_bytes, post_forward_shards,
         )  # fmt: skip
-    return MemoryEstimate(params, grads, optimizer, unsharded, activations, staging)
+    transient = _transient(
+        api, unit_numels, trainable, shards, param_bytes, compute_bytes,
+        0 if offload_params else optim_temporaries, largest_param_numel,
+    )  # fmt: skip
+    return MemoryEstimate(params, grads, optimizer, unsharded, activations, staging, transient)
+
+
+def _model_state(
+    numels: list[int], trainable: list[int], shards: int, param_bytes: int, states: int
+) -> tuple[int, int, int]:
+    """Bytes of this rank's parameter shards, gradient shards and optimizer state."""
+    # A mixed unit's trainable and frozen segments are padded and sharded on their own.
+    sharded = sum(
+        _shard(t, shards) + _shard(n - t, shards) if _is_mixed(n, t) else _shard(n, shards)
+        for n, t in zip(numels, trainable)
+    )
+    sharded_trainable = sum(_shard(t, shards) for t in trainable)
+    grads = sharded_trainable * param_bytes
+    return sharded * param_bytes, grads, grads * states
+
+
+def _transient(
+    api: str,
+    unit_numels: list[int],
+    trainable: list[int],
+    shards: int,
+    param_bytes: int,
+    compute_bytes: int,
+    optim_temporaries: int,
+    largest_param_numel: int | None,
+) -> int:
+    """Bytes of [Note: transient tensors of the step]: the optimizer's temporaries,
+    ``fully_shard``'s gradient copy-in and mixed precision's cast shards."""
+    if api not in APIS:
+        raise ValueError(f"unknown api {api!r}; choose from {', '.join(APIS)}")
+    largest = max(unit_numels, default=0)
+    largest_grad = max(trainable[:-1], default=0)
+    stepped = _shard(max(trainable), shards)  # FSDP1: one flat shard per unit (and root)
+    if api == "fsdp2":
+        stepped = _shard(min(largest_param_numel or max(trainable), max(trainable)), shards)
+    transient = optim_temporaries * stepped * param_bytes
+    if api == "fsdp2":
+        transient += largest_grad * compute_bytes
+    if compute_bytes != param_bytes and shards > 1:
+        transient += 2 * _shard(largest, shards) * compute_bytes
+        transient += _shard(largest_grad, shards) * param_bytes
+    return transient
 
 
 def _staging(

@@ -367,8 +367,9 @@ def _table(
     return "\n".join(lines)
 
 
-def _predicted_mib(config: BenchConfig, args: argparse.Namespace) -> float:
-    """fullshard's analytical peak memory added by training, from ``fullshard plan``'s model."""
+def _predicted_mib(config: BenchConfig, args: argparse.Namespace, api: str = "fsdp1") -> float:
+    """fullshard's analytical peak memory added by training (``fullshard plan``'s model)
+    through the door ``api``: ``fsdp1`` (``FullyShardedDataParallel``) or ``fsdp2``."""
     plan = make_plan(
         bench_shape(config),
         args.world_size,
@@ -376,6 +377,7 @@ def _predicted_mib(config: BenchConfig, args: argparse.Namespace) -> float:
         mixed_precision=args.mixed_precision,
         batch=config.batch,
         device=args.device,
+        api=api,
     )
     return plan.memory.peak_added / 2**20
 
@@ -534,18 +536,42 @@ def _run_rounds(args: argparse.Namespace) -> list[dict[str, list[dict[str, Any]]
     return gathered
 
 
+_MODELLED_APIS = {"fullshard": "fsdp1", "fullshard-fsdp2": "fsdp2"}  # not the int8 variant
+
+
+def _memory_model_rows(
+    results: list[EngineResult], config: BenchConfig, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """Per fullshard run: predicted and measured (max over ranks) MiB, error (None: not modelled)."""
+    engines = {label: (engine, transport) for label, engine, transport in args.runs}
+    rows = []
+    for result in results:
+        engine, transport = engines.get(result.engine, (result.engine, "shm"))
+        api = _MODELLED_APIS.get(engine)  # the rings' staging (gloo's) is not modelled
+        predicted = None
+        if api and (transport == "shm" or args.device == "cuda"):
+            predicted = _predicted_mib(config, args, api)
+        peak = max(result.peak_mib)
+        error = None if predicted is None else 100 * (predicted - peak) / peak
+        if engine.startswith("fullshard"):
+            rows.append({"engine": result.engine, "api": api, "predicted_mib": predicted,
+                         "measured_mib": peak, "error_pct": error})  # fmt: skip
+    return rows
+
+
 def _report_memory_model(
     results: list[EngineResult], config: BenchConfig, args: argparse.Namespace
 ) -> None:
-    """fullshard's measured peak against ``fullshard plan``'s prediction."""
-    predicted = _predicted_mib(config, args)
-    measured = [r for r in results if r.engine == "fullshard"]
-    if measured:
-        peak = max(measured[0].peak_mib)
-        print(
-            f"\nfullshard memory model: {predicted:.0f} MiB added per rank predicted, "
-            f"{peak:.0f} MiB measured (max over ranks): {100 * (predicted - peak) / peak:+.1f}%"
-        )
+    """Each fullshard door's measured peak against ``fullshard plan``'s prediction."""
+    for row in _memory_model_rows(results, config, args):
+        measured = f"{row['measured_mib']:.0f} MiB measured (max over ranks)"
+        if row["predicted_mib"] is None:
+            print(f"\n{row['engine']} memory model: not modelled; {measured}")
+        else:
+            print(
+                f"\n{row['engine']} memory model ({row['api']}): {row['predicted_mib']:.0f} "
+                f"MiB added per rank predicted, {measured}: {row['error_pct']:+.1f}%"
+            )
 
 
 def _write_json(
@@ -562,6 +588,7 @@ def _write_json(
                 "args": {k: v for k, v in vars(args).items()},
                 "params": params,
                 "predicted_fullshard_peak_mib": _predicted_mib(config, args),
+                "memory_model": _memory_model_rows(results, config, args),
                 "results": [{**asdict(r), "median_s": r.median_s} for r in results],
             },
             indent=1,

@@ -65,6 +65,10 @@ __all__ = [
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1, "adagrad": 1}
+_OPTIMIZER_TEMPORARIES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 0, "adagrad": 1}
+"""Tensors of a parameter's size each optimizer's single-tensor step builds (Adam:
+``exp_avg_sq.sqrt()`` and its quotient; Adagrad: ``state_sum.sqrt()``; see [Note: transient
+tensors of the step] in fullshard/memory.py)."""
 _FSDP2_STRATEGIES = {
     # (2-D mesh, reshard_after_forward) -> the FSDP1 strategy with the same memory model
     (False, True): "FULL_SHARD",
@@ -157,7 +161,9 @@ def make_plan(
         activations=activations, shard_group_size=group,
         # CPU ranks of one host exchange through shared memory (its staging counts)
         shared_memory_cell_bytes=SHARED_MEMORY_CELL_BYTES if device == "cpu" else 0,
-        post_forward_shards=post_forward_shards,
+        post_forward_shards=post_forward_shards, api=api,
+        optim_temporaries=_OPTIMIZER_TEMPORARIES[optimizer],
+        largest_param_numel=_largest_param_per_tp_rank(shape, tp),
     )  # fmt: skip
     memory, host = _offloaded(resident) if cpu_offload else (resident, 0)
     fsdp_bytes = communication_bytes(
@@ -175,6 +181,12 @@ def make_plan(
         batch, seq_len, memory, host, fsdp_bytes, device, api, notes, post_forward_shards, tp,
         tp_bytes,
     )  # fmt: skip
+
+
+def _largest_param_per_tp_rank(shape: ModelShape, tp: int) -> int:
+    """The largest original parameter on each tensor-parallel rank: an MLP matrix or the
+    token embedding (both split ``tp`` ways)."""
+    return max(shape.d_model * shape.ffn, shape.vocab * shape.d_model) // tp
 
 
 def _offloaded(resident: MemoryEstimate) -> tuple[MemoryEstimate, int]:

@@ -65,7 +65,8 @@ def test_plan_matches_the_benchmarks_measured_peak(config: str) -> None:
     plan = make_plan(shape, args["world_size"], batch=bench.batch, device=args["device"])
     predicted = plan.memory.peak_added / 2**20
     assert abs(predicted - measured) / measured <= 0.20, (predicted, measured)
-    assert predicted == pytest.approx(record["predicted_fullshard_peak_mib"], rel=0.02)
+    # The record's prediction predates the transient terms (issue 33), a few % below.
+    assert predicted == pytest.approx(record["predicted_fullshard_peak_mib"], rel=0.10)
 
 
 def test_plan_presets_count_the_parameters_of_the_models_they_name(tmp_path: Path) -> None:

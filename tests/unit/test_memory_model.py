@@ -120,3 +120,41 @@ def test_reshard_after_forward_to_k_ranks_keeps_a_kth_of_each_unit() -> None:
     ]:
         with pytest.raises(ValueError, match="post_forward_shards"):
             estimate(units, world, strategy, post_forward_shards=k)
+
+
+def test_transient_tensors_of_the_step_by_door_and_precision() -> None:
+    """[Note: transient tensors of the step]: Adam's two temporaries of the largest tensor
+    the optimizer steps (FSDP1: a unit's flat shard; FSDP2: a parameter's shard), FSDP2's
+    gradient copy-in (one unit, compute dtype), and with bf16 the cast all-gather inputs
+    (two shards) and the reduced shard cast back to fp32."""
+    units, root = [1000, 1000, 400], 100
+    base = estimate(units, 4, root_numel=root)
+    assert base.transient == 0  # no temporaries asked for: as before
+    fsdp1 = estimate(units, 4, root_numel=root, optim_temporaries=2)
+    assert fsdp1.transient == 2 * 250 * 4
+    assert fsdp1.peak_added == base.peak_added + 2 * 250 * 4
+    fsdp2 = estimate(
+        units, 4, root_numel=root, optim_temporaries=2, api="fsdp2", largest_param_numel=600
+    )
+    assert fsdp2.transient == 2 * 150 * 4 + 1000 * 4
+    bf16 = estimate(units, 4, root_numel=root, compute_bytes=2, optim_temporaries=2)
+    assert bf16.transient == 2 * 250 * 4 + 2 * 250 * 2 + 250 * 4
+    offloaded = estimate(units, 4, optim_temporaries=2, offload_params=True)
+    assert offloaded.transient == 0
+    with pytest.raises(ValueError, match="unknown api"):
+        estimate(units, 4, api="fsdp3")
+
+
+def test_plan_passes_the_door_and_the_optimizers_temporaries() -> None:
+    """make_plan: Adam's 2 temporaries, SGD's none; fsdp2 adds the copy-in gradient and
+    steps per parameter (the MLP matrix, d_model x ffn, is the largest)."""
+    from fullshard.cli.plan import PRESETS, make_plan
+
+    shape = PRESETS["bench-compute"]
+    adam = make_plan(shape, 2, device="cuda").memory
+    sgd = make_plan(shape, 2, optimizer="sgd", device="cuda").memory
+    unit_shard = -(-shape.unit_numel // 2)
+    assert adam.transient - sgd.transient == 2 * unit_shard * 4
+    fsdp2 = make_plan(shape, 2, device="cuda", api="fsdp2").memory
+    mlp_shard = shape.d_model * shape.ffn // 2
+    assert fsdp2.transient == 2 * mlp_shard * 4 + shape.unit_numel * 4
