@@ -455,6 +455,7 @@ class FlatParamHandle(OrigParamViews, SummonViews, GradReduction):
         """
         self._assert_state(HandleState.SHARDED, "unshard")
         self._write_back_orig_params()
+        self.release_grads_if_dropped()
         if self._shard_version() != self._shard_version_at_unshard:
             for segment in self._segments:  # kept over k ranks, then changed: stale
                 segment.drop_post_forward()

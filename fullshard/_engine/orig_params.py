@@ -473,6 +473,17 @@ class OrigParamViews:
         if self._use_orig_params:
             self._pull_orig_grads()
 
+    def release_grads_if_dropped(self) -> None:
+        """``use_orig_params``: once every original gradient was dropped
+        (``zero_grad(set_to_none=True)``), drop the sharded gradient they viewed, at the
+        unit's next unshard rather than its next reduction: through the forward and most of
+        the backward the unit then holds no gradient (torch's FSDP1 does so in its
+        pre-forward; torch's FSDP2 gradients are the reduce-scatter's own output)."""
+        if not self._use_orig_params or self.flat_param.grad is None:
+            return
+        if all(param.grad is None for param in self._orig_params):
+            self.flat_param.grad = None
+
     def _pull_orig_grads(self) -> None:
         """``use_orig_params``: adopt what the user did to the original parameters' grads.
 

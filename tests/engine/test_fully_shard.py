@@ -996,3 +996,45 @@ def _one_rank() -> None:
 
 def test_one_rank() -> None:
     run_on_ranks(1, _one_rank)
+
+
+def _grads_held_in_forward(api: str, set_to_none: bool) -> list[bool]:
+    """Per step after the first, whether the first block's unit held a sharded gradient
+    while its next forward ran."""
+    from fullshard import FullyShardedDataParallel, fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    run: nn.Module = model
+    if api == "fsdp2":
+        fully_shard(model[0])
+        fully_shard(model)
+        handle = fully_shard.state(model[0]).handle  # type: ignore[attr-defined]
+        inner = model[0]
+    else:
+        model[0] = FullyShardedDataParallel(model[0], use_orig_params=True)
+        run = FullyShardedDataParallel(model, use_orig_params=True)
+        handle = model[0]._handle
+        inner = model[0].module
+    held: list[bool] = []
+    inner.register_forward_hook(lambda *_: held.append(handle.flat_param.grad is not None))
+    optim = torch.optim.Adam(run.parameters())
+    for _ in range(3):
+        run(torch.randn(2, 4)).sum().backward()
+        optim.step()
+        optim.zero_grad(set_to_none=set_to_none)
+    return held[1:]
+
+
+def _grads_released_after_zero_grad() -> None:
+    for api in ("fsdp2", "fsdp1"):
+        assert _grads_held_in_forward(api, set_to_none=True) == [False, False], api
+        assert _grads_held_in_forward(api, set_to_none=False) == [True, True], api
+
+
+def test_sharded_gradient_released_at_the_next_forward_after_zero_grad() -> None:
+    """``zero_grad(set_to_none=True)`` drops every original gradient: the unit's sharded
+    gradient they viewed is gone by its next forward (``fully_shard``, and FSDP1 with
+    ``use_orig_params``), not held through the forward into the next reduction; with
+    ``set_to_none=False`` (zeroed in place) it stays."""
+    run_on_ranks(2, _grads_released_after_zero_grad)
