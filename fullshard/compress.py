@@ -181,8 +181,8 @@ class Int8AllGatherWeight(torch.Tensor):
 
 
 def _column_amax(rows: torch.Tensor) -> torch.Tensor:
-    """The largest magnitude of each column of ``rows`` (``(r, C)``; zeros where ``r`` is 0),
-    in float32, at least a tiny positive number (an all-zero column gets a usable scale)."""
+    """The largest magnitude of each column of ``rows`` (``(r, C)``, ``r`` may be 0), in
+    float32, at least 1e-30 (an all-zero or empty column still gets a usable scale)."""
     if rows.shape[0] == 0:
         return rows.new_full((rows.shape[1],), 1e-30, dtype=torch.float32)
     high, low = rows.amax(dim=0), rows.amin(dim=0)  # faster than aminmax or abs() by columns
