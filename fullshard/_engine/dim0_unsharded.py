@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from .._comm import collectives as comm
 from .layout import Dim0Layout, make_dim0_layout
+from .storage_pool import POOL
 
 __all__: list[str] = []
 
@@ -187,9 +188,10 @@ class _Unflatten(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor, None]:
         unsharded: Dim0Unsharded = ctx.unsharded
         layout = unsharded.layout
-        covered = layout.evenly_split and all(g is not None for g in grads)
-        empty = torch.empty if covered else torch.zeros  # no padding, every place written
-        flat = empty(ctx.leaf_numel, dtype=ctx.dtype, device=ctx.device)
+        # see [Note: reusing unsharded memory]; the reduction frees it into the pool again
+        flat = POOL.empty(ctx.leaf_numel, ctx.dtype, ctx.device)
+        if not (layout.evenly_split and all(g is not None for g in grads)):
+            flat.zero_()  # padding, or a parameter's places no gradient writes
         for index, grad in enumerate(grads):
             if grad is None:
                 continue

@@ -36,6 +36,7 @@ from .._comm.groups import ShardingGroups
 from .dim0_unsharded import Dim0Unsharded, PostForwardShard
 from .layout import Dim0Layout, FlatLayout, ShardPiece
 from .names import FSDP_FLATTENED
+from .storage_pool import POOL
 
 __all__ = ["FlatParameter", "FlatSegment"]
 
@@ -373,8 +374,8 @@ class FlatSegment:
         ):
             params.allocate()  # each peer's rows copied straight in
             sink = params.receive
-        if sink is None:
-            padded.untyped_storage().resize_(padded.numel() * padded.element_size())
+        if sink is None:  # see [Note: reusing unsharded memory]
+            POOL.fill(padded.untyped_storage(), padded.numel() * padded.element_size())
         unsharded.params_gathered = sink is not None
         local_shard = self.flat_param._local_shard
         source = local_shard
@@ -425,7 +426,7 @@ class FlatSegment:
             return  # not dim-0, or the all-gather delivered into the parameters
         unsharded.params.fill(unsharded.leaf.detach())
         if not unsharded.aliases_shard:
-            unsharded.padded.untyped_storage().resize_(0)
+            POOL.free(unsharded.padded.untyped_storage())
 
     def drop_post_forward(self) -> None:
         if self._post_forward is not None:
@@ -442,7 +443,7 @@ class FlatSegment:
             else:
                 post_forward.drop()
         if not self.active.aliases_shard:
-            self.active.padded.untyped_storage().resize_(0)
+            POOL.free(self.active.padded.untyped_storage())
         if self.active.params is not None:
             self.active.params.free()
 

@@ -17,6 +17,7 @@ from .._comm import custom
 from .._comm.groups import ShardingGroups, gradient_divide_factors
 from .dtensor_params import DTensorParams
 from .flat_segment import FlatParameter, FlatSegment
+from .storage_pool import POOL
 
 __all__: list[str] = []
 
@@ -38,6 +39,16 @@ class _PendingReduction:
     received: list[bool] | None = None
     """FSDP2: per slot of the trainable segment, whether this rank's backward gave it a
     gradient (see [Note: parameters without a gradient])."""
+    recycle_input: bool = False
+    """``unsharded_grad`` is the engine's alone (taken off the leaf, or a padded or cast
+    copy of it): once the reduction is done its memory goes to the next unit-sized buffer
+    (see [Note: reusing unsharded memory])."""
+
+
+def _owns_its_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is its storage's only view (no offset, every byte its own)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == nbytes
 
 
 # [Note: parameters without a gradient]
@@ -209,7 +220,13 @@ class GradReduction:
                 sharded, grad, self.groups.shard, self.label, predivide=predivide
             )
         self._pending_reduction = _PendingReduction(
-            work, sharded, grad, postdivide, computed_dtype, received
+            work,
+            sharded,
+            grad,
+            postdivide,
+            computed_dtype,
+            received,
+            recycle_input=self.custom_reduce_scatter is None,
         )
 
     def _divide_factors(self, reduce_dtype: torch.dtype) -> tuple[float, float]:
@@ -246,6 +263,8 @@ class GradReduction:
             return
         self._pending_reduction = None
         pending.work.wait()
+        if pending.recycle_input and _owns_its_storage(pending.unsharded_grad):
+            POOL.free(pending.unsharded_grad.untyped_storage())
         reduced = pending.reduced_grad
         if self.groups.replicate is not None:
             if self._partial_replica_grad is not None:

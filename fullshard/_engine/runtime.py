@@ -37,6 +37,7 @@ from .exec_order import validation_enabled
 from .flat_param import FlatParamHandle, HandleState
 from .sharding import Sharding
 from .step import RootState
+from .storage_pool import POOL
 
 __all__: list[str] = []
 
@@ -309,6 +310,8 @@ class UnitRuntime:
             handle.reshard(after_forward=True)
         else:
             handle.register_orig_params()
+        if self.is_root and not will_backward:
+            POOL.clear()  # no backward follows: see [Note: reusing unsharded memory]
         # From IDLE too: a unit whose forward runs again inside its own forward (recursion)
         # is back to IDLE after the inner call.
         self._move_to(TrainingState.IDLE, HandleTrainingState.IDLE, start=IN_STEP)

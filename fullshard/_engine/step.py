@@ -15,6 +15,7 @@ from .autograd_graph import NestedForwards
 from .compile import eager
 from .exec_order import ExecOrderValidator, validation_enabled
 from .flat_param import FlatParamHandle, HandleState
+from .storage_pool import POOL
 
 __all__ = ["RootState", "reductions_in_flight"]
 
@@ -161,11 +162,13 @@ class RootState:
 
     @eager
     def finish_backward(self) -> None:
-        """Wait for every reduction, finalise sharded gradients, reshard everything."""
+        """Wait for every reduction, finalise sharded gradients, reshard everything, and give
+        the memory kept for unshards back (see [Note: reusing unsharded memory])."""
         self.finalize_reductions()
         for unit in self.units:
             unit.finish_backward()
         self.end_of_backward_queued = False
+        POOL.clear()
 
     def reset_step(self) -> None:
         """After a forward or backward raised (FSDP2's ``reset_iter_state``): wait for the
@@ -174,6 +177,7 @@ class RootState:
         failed backward's queued callback, so ``finish_backward`` never ran."""
         for unit in self.units:
             unit.reset_step()
+        POOL.clear()
         self.pending_reductions = []
         self.end_of_backward_queued = False
         self.forward_order = []

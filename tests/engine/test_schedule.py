@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from fullshard import FullyShardedDataParallel as FSDP
 from fullshard import ShardingStrategy
 from fullshard._comm.collectives import COUNTERS
+from fullshard._engine.storage_pool import POOL
 from fullshard.wrap import ModuleWrapPolicy
 from harness import run_on_ranks
 from models import STRATEGY_NAMES, LinearBlock
@@ -207,6 +208,43 @@ def test_units_hold_no_unsharded_storage_after_forward_and_backward(use_orig_par
 def test_units_resharded_after_backward_other_strategies(strategy: str) -> None:
     """After backward every strategy leaves parameters sharded and no unsharded grads."""
     run_on_ranks(2, _after_backward_only, strategy)
+
+
+def _kept_bytes_through_a_step(use_orig_params: bool) -> dict[str, Any]:
+    model = _wrapped_stack("FULL_SHARD", use_orig_params=use_orig_params)
+    x = torch.randn(4, 7)
+    model(x).sum().backward()  # lazy initialisation
+    kept_at_block_forward: list[int] = []
+    for unit in FSDP.fsdp_modules(model):
+        if unit is not model:  # runs once the unit is unsharded
+            unit.module.register_forward_pre_hook(
+                lambda *_: kept_at_block_forward.append(POOL.kept_bytes())
+            )
+    loss = model(x).sum()
+    at_block_forward = list(kept_at_block_forward)
+    after_forward = POOL.kept_bytes()
+    loss.backward()
+    after_backward = POOL.kept_bytes()
+    with torch.no_grad():
+        model(x)
+    return {
+        "at_block_forward": at_block_forward,
+        "after_forward": after_forward,
+        "after_backward": after_backward,
+        "after_no_grad_forward": POOL.kept_bytes(),
+        "block_bytes": _padded_bytes(model)["blocks.0"],
+    }
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_unshard_takes_the_memory_the_previous_reshard_freed(use_orig_params: bool) -> None:
+    """Each block's forward unshard takes the memory the previous block's reshard kept (see
+    [Note: reusing unsharded memory]); after forward the last block's is kept for backward,
+    and nothing is kept after backward or after a forward that no backward follows."""
+    for seen in run_on_ranks(2, _kept_bytes_through_a_step, use_orig_params):
+        assert seen["at_block_forward"] == [0, 0, 0], seen
+        assert seen["after_forward"] == seen["block_bytes"] > 0, seen
+        assert seen["after_backward"] == seen["after_no_grad_forward"] == 0, seen
 
 
 def _after_backward_only(strategy: str) -> None:
