@@ -99,6 +99,34 @@ class Unsharded:
     (torch's ``unsharded_accumulated_grad``), taken off the leaf after each backward."""
 
 
+class _SplitLeaf(torch.autograd.Function):
+    """leaf (a flat layout's unsharded buffer, exactly its parameters) -> its parameters'
+    pieces, views of it as ``torch.split`` gives; backward writes their gradients into one
+    flat gradient drawn from the pool (see [Note: reusing unsharded memory]), where
+    ``split``'s backward concatenates them into fresh memory each time."""
+
+    @staticmethod
+    def forward(ctx: Any, leaf: torch.Tensor, numels: list[int]) -> tuple[torch.Tensor, ...]:
+        ctx.numels = numels
+        ctx.set_materialize_grads(False)  # a parameter that got no gradient arrives as None
+        return tuple(leaf.split(numels))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+        given = next(g for g in grads if g is not None)  # autograd calls with at least one
+        if torch.is_grad_enabled():  # create_graph: a backward that is itself differentiable
+            return torch.cat(
+                [given.new_zeros(n) if g is None else g for g, n in zip(grads, ctx.numels)]
+            ), None
+        flat = POOL.empty(sum(ctx.numels), given.dtype, given.device)
+        for grad, place in zip(grads, flat.split(ctx.numels)):
+            if grad is None:
+                place.zero_()
+            else:
+                place.copy_(grad)
+        return flat, None
+
+
 def _post_forward_shard(
     layout: FlatLayout,
     group: dist.ProcessGroup | None,
@@ -468,9 +496,13 @@ class FlatSegment:
     def leaf_views(self) -> list[torch.Tensor]:
         """Per slot, its view (in its shape) of the active leaf (dim-0 layouts: its own
         tensor, linked to the leaf by autograd)."""
+        leaf = self.active.leaf
         if self.active.params is not None:
-            return self.active.params.views(self.active.leaf)
-        return self.views_of_flat(self.active.leaf)
+            return self.active.params.views(leaf)
+        if not (leaf.requires_grad and torch.is_grad_enabled()):
+            return self.views_of_flat(leaf)
+        pieces = _SplitLeaf.apply(leaf, self.layout.numels)
+        return [piece.view(slot.shape) for piece, slot in zip(pieces, self.layout.slots)]
 
     def views_of_flat(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per slot, its view (in its shape) of an unsharded flat tensor of this segment."""

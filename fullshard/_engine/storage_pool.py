@@ -15,19 +15,22 @@ bytes, as ``resize_(0)`` leaves it); ``fill`` moves kept memory of the same size
 storage a unit unshards. What is kept and taken:
 
 - a unit's unsharded flat buffer, freed at reshard and filled at unshard;
-- a unit's flat gradient once its reduction is done (``_PendingReduction.recycle_input``),
-  and ``fully_shard``'s copy-in of the parameters' gradients (``_Unflatten.backward``)
-  draws from the pool.
+- a unit's flat gradient, freed once its reduction is done
+  (``_PendingReduction.recycle_input``) and drawn where autograd's backward builds it from
+  the parameters' gradients (``_SplitLeaf`` for the flat layout, ``_Unflatten`` for
+  ``fully_shard``'s).
 
-At most one block per size is kept, so at most one buffer of each size is held beyond what
-``resize_(0)`` would hold, and only until the end of the backward (``clear``), or of a
-root's forward that no backward follows: the optimizer step and the time between steps see
-the memory they saw before. (After ``summon_full_params`` or a state dict outside a step,
-the last unit's block stays until then too.) In forward, a unit reshards before the next
-one unshards (without forward prefetch); in backward a unit's prefetch follows the previous
-unit's reshard: the kept block is the one the next unshard takes. Small blocks are kept as
-well (malloc's heap would reuse them without faulting): one path for every size, which every
-test exercises.
+Two blocks per size are kept at most (``BLOCKS_PER_SIZE``): in backward, a unit's
+post-backward frees its buffer and its gradient, and the next unit takes both (its
+prefetched all-gather, its gradient), so beyond what ``resize_(0)`` would hold the pool
+holds at most two blocks of a size, for the time between one unit's post-backward and the
+next unit's gradient. In forward it holds at most one (a unit reshards before the next
+unshards without forward prefetch; with it, the unit before). Everything kept is given
+back at the end of the backward (``clear``), or of a root's forward that no backward
+follows: the optimizer step and the time between steps see the memory they saw before.
+(After ``summon_full_params`` or a state dict outside a step, the blocks stay until then
+too.) Small blocks are kept as well (malloc's heap would reuse them without faulting): one
+path for every size, which every test exercises.
 """
 
 from __future__ import annotations
@@ -36,13 +39,18 @@ import torch
 
 __all__: list[str] = []
 
+BLOCKS_PER_SIZE = 2
+"""A unit's unsharded buffer and its flat gradient (see the note)."""
+
 
 class StoragePool:
-    """Freed CPU storages' memory, at most one block per size, until ``clear``."""
+    """Freed CPU storages' memory, at most ``BLOCKS_PER_SIZE`` blocks per size, until
+    ``clear``."""
 
     def __init__(self) -> None:
-        self._kept: dict[int, torch.UntypedStorage] = {}
-        """nbytes -> a storage that holds nothing but the kept memory."""
+        self._kept: dict[int, list[torch.UntypedStorage]] = {}
+        """nbytes -> storages that hold nothing but kept memory (at most
+        ``BLOCKS_PER_SIZE``)."""
 
     def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Give ``storage`` ``nbytes`` of memory: if it is freed, kept memory of that size if
@@ -51,24 +59,25 @@ class StoragePool:
             if storage.nbytes() != nbytes:
                 storage.resize_(nbytes)
             return
-        kept = self._kept.pop(nbytes, None) if storage.device.type == "cpu" else None
-        if kept is None:
+        kept = self._kept.get(nbytes) if storage.device.type == "cpu" else None
+        if not kept:
             storage.resize_(nbytes)
         else:
-            storage._swap_data_ptr_(kept)  # type: ignore[attr-defined]
+            storage._swap_data_ptr_(kept.pop())  # type: ignore[attr-defined]
 
     def free(self, storage: torch.UntypedStorage) -> None:
-        """Free ``storage``'s memory (it has 0 bytes after), keeping the memory for the next
-        ``fill`` of that size when none is kept yet."""
+        """Free ``storage``'s memory (it has 0 bytes after), keeping the memory for a next
+        ``fill`` of that size unless ``BLOCKS_PER_SIZE`` are kept already."""
         nbytes = storage.nbytes()
         if nbytes == 0:
             return
-        if storage.device.type != "cpu" or nbytes in self._kept:
+        kept = self._kept.setdefault(nbytes, [])
+        if storage.device.type != "cpu" or len(kept) == BLOCKS_PER_SIZE:
             storage.resize_(0)
             return
-        kept = torch.UntypedStorage(0, device=storage.device)
-        kept._swap_data_ptr_(storage)  # type: ignore[attr-defined]
-        self._kept[nbytes] = kept
+        block = torch.UntypedStorage(0, device=storage.device)
+        block._swap_data_ptr_(storage)  # type: ignore[attr-defined]
+        kept.append(block)
 
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A new 1-D tensor of ``numel`` elements in kept memory of its size if any (contents
@@ -78,7 +87,7 @@ class StoragePool:
         return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (numel,), (1,))
 
     def kept_bytes(self) -> int:
-        return sum(self._kept)
+        return sum(nbytes * len(kept) for nbytes, kept in self._kept.items())
 
     def clear(self) -> None:
         """Give the kept memory back to the allocator."""

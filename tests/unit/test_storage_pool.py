@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fullshard._engine.storage_pool import StoragePool
+from fullshard._engine.storage_pool import BLOCKS_PER_SIZE, StoragePool
 
 
 def _freed(numel: int) -> tuple[torch.Tensor, torch.UntypedStorage]:
@@ -32,12 +32,13 @@ def test_freed_memory_fills_the_next_storage_of_its_size() -> None:
     torch.testing.assert_close(view, torch.full((2,), 7.0))  # old views see the new memory
 
 
-def test_one_block_per_size_kept_until_clear() -> None:
-    """A second block of a kept size is freed, not kept; ``clear`` gives every block back."""
+def test_blocks_per_size_kept_until_clear() -> None:
+    """A block beyond ``BLOCKS_PER_SIZE`` of its size is freed, not kept; ``clear`` gives
+    every block back."""
     pool = StoragePool()
-    for numel in (6, 6, 10):
+    for numel in [6] * (BLOCKS_PER_SIZE + 1) + [10]:
         pool.free(torch.empty(numel).untyped_storage())
-    assert pool.kept_bytes() == 24 + 40
+    assert pool.kept_bytes() == 24 * BLOCKS_PER_SIZE + 40
     pool.clear()
     assert pool.kept_bytes() == 0
     _, storage = _freed(6)
@@ -54,3 +55,36 @@ def test_fill_leaves_an_allocated_storage_of_that_size_alone() -> None:
     pool.fill(tensor.untyped_storage(), 16)
     assert tensor.data_ptr() == address and pool.kept_bytes() == 16
     torch.testing.assert_close(tensor, torch.ones(4))
+
+
+def test_flat_layout_gradient_is_written_into_kept_memory() -> None:
+    """The FSDP1 layout's views of a leaf (``_SplitLeaf``) backpropagate into one flat
+    gradient in memory the pool kept: the values ``torch.split``'s backward gives, zeros for
+    a piece that got no gradient."""
+    from fullshard._engine.flat_segment import _SplitLeaf
+    from fullshard._engine.storage_pool import POOL
+
+    POOL.clear()
+    leaf = torch.zeros(7, requires_grad=True)
+    freed = torch.empty(7)
+    address = freed.data_ptr()
+    POOL.free(freed.untyped_storage())
+    a, b, c = _SplitLeaf.apply(leaf, [3, 2, 2])
+    assert a._base is leaf and torch.equal(b, leaf[3:5])  # views, as split gives
+    (a.sum() + 2 * c.sum()).backward()
+    assert leaf.grad is not None and leaf.grad.data_ptr() == address
+    torch.testing.assert_close(leaf.grad, torch.tensor([1.0, 1, 1, 0, 0, 2, 2]))
+    assert POOL.kept_bytes() == 0
+
+
+def test_flat_layout_gradient_stays_differentiable_with_create_graph() -> None:
+    """With ``create_graph=True`` the gradient through ``_SplitLeaf`` is itself differentiable
+    (a second derivative, as through ``torch.split``)."""
+    from fullshard._engine.flat_segment import _SplitLeaf
+
+    leaf = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    a, b = _SplitLeaf.apply(leaf, [1, 2])
+    (grad,) = torch.autograd.grad((a**3).sum() + (b**2).sum(), leaf, create_graph=True)
+    torch.testing.assert_close(grad, torch.tensor([3.0, 4.0, 6.0]))
+    (second,) = torch.autograd.grad(grad.sum(), leaf)
+    torch.testing.assert_close(second, torch.tensor([6.0, 2.0, 2.0]))
