@@ -47,12 +47,14 @@ Three kinds, each allocated by code the model can name:
   each parameter's DTensor shard through ``fully_shard`` (two of the largest parameter's
   shard, ``largest_param_numel``). Not counted with parameter offload (the step runs on the
   host).
-- ``fully_shard``'s gradient copy-in: its unsharded parameters are separate tensors, so the
-  backward of a unit's unflatten node holds every parameter's gradient while it copies them
-  into the one flat gradient that is reduce-scattered (``_Unflatten.backward`` in
-  ``_engine/dim0_unsharded.py``): one more unit-sized gradient in the compute dtype.
-  ``FullyShardedDataParallel``'s parameters are views of the flat buffer and autograd
-  accumulates into the flat gradient itself.
+- the gradient copy-in: the backward of the node that made a unit's parameters from its
+  flat buffer holds every parameter's gradient while it copies them into the one flat
+  gradient that is reduce-scattered: one more unit-sized gradient in the compute dtype.
+  Both doors: ``fully_shard``'s parameters are separate tensors (``_Unflatten.backward`` in
+  ``_engine/dim0_unsharded.py``), ``FullyShardedDataParallel``'s are views of the flat
+  buffer, split from it as ``torch.split`` does (``_SplitLeaf.backward`` in
+  ``_engine/flat_segment.py``; autograd holds the views' gradients until the split's
+  backward runs, as it did for ``torch.split``'s concatenation).
 - mixed precision (``compute_bytes != param_bytes``): the all-gather's input is the shard
   cast to the compute dtype (``FlatSegment.unshard``), alive until the all-gather lands, for
   the unit being gathered and the one prefetched (two of the largest unit's shard, compute
@@ -247,8 +249,7 @@ def _transient(
     if api == "fsdp2":
         stepped = _shard(min(largest_param_numel or max(trainable), max(trainable)), shards)
     transient = optim_temporaries * stepped * param_bytes
-    if api == "fsdp2":
-        transient += largest_grad * compute_bytes
+    transient += largest_grad * compute_bytes  # the gradient copy-in, either door
     if compute_bytes != param_bytes and shards > 1:
         transient += 2 * _shard(largest, shards) * compute_bytes
         transient += _shard(largest_grad, shards) * param_bytes

@@ -17,7 +17,9 @@ def test_full_shard_splits_model_state_and_counts_units_in_flight() -> None:
     assert result.params == result.grads == sharded * 4
     assert result.optimizer == 2 * sharded * 4
     assert result.unsharded == (1000 + 100 + 2 * 1000) * 4
-    assert result.peak_added == result.grads + result.optimizer + result.unsharded
+    assert result.transient == 1000 * 4  # the gradient copy-in of the largest unit
+    held = result.grads + result.optimizer + result.unsharded + result.transient
+    assert result.peak_added == held
     assert result.total == result.params + result.peak_added
 
 
@@ -34,10 +36,11 @@ def test_strategies_and_precision_change_what_is_unsharded() -> None:
 
 
 def test_offload_moves_model_state_off_the_device() -> None:
-    """With parameter offload only unsharded units and activations stay on the device."""
+    """With parameter offload only unsharded units (and their gradients' copy-in) and
+    activations stay on the device."""
     result = estimate([1000], 2, offload_params=True, activations=123)
     assert (result.params, result.grads, result.optimizer) == (0, 0, 0)
-    assert result.peak_added == result.unsharded + 123
+    assert result.peak_added == result.unsharded + 1000 * 4 + 123
 
 
 def test_gpt_activations_scale_with_batch_and_depth() -> None:
@@ -124,30 +127,30 @@ def test_reshard_after_forward_to_k_ranks_keeps_a_kth_of_each_unit() -> None:
 
 def test_transient_tensors_of_the_step_by_door_and_precision() -> None:
     """[Note: transient tensors of the step]: Adam's two temporaries of the largest tensor
-    the optimizer steps (FSDP1: a unit's flat shard; FSDP2: a parameter's shard), FSDP2's
-    gradient copy-in (one unit, compute dtype), and with bf16 the cast all-gather inputs
-    (two shards) and the reduced shard cast back to fp32."""
+    the optimizer steps (FSDP1: a unit's flat shard; FSDP2: a parameter's shard), the
+    gradient copy-in of either door (one unit, compute dtype), and with bf16 the cast
+    all-gather inputs (two shards) and the reduced shard cast back to fp32."""
     units, root = [1000, 1000, 400], 100
     base = estimate(units, 4, root_numel=root)
-    assert base.transient == 0  # no temporaries asked for: as before
+    assert base.transient == 1000 * 4  # no optimizer temporaries asked for: the copy-in
     fsdp1 = estimate(units, 4, root_numel=root, optim_temporaries=2)
-    assert fsdp1.transient == 2 * 250 * 4
+    assert fsdp1.transient == 2 * 250 * 4 + 1000 * 4
     assert fsdp1.peak_added == base.peak_added + 2 * 250 * 4
     fsdp2 = estimate(
         units, 4, root_numel=root, optim_temporaries=2, api="fsdp2", largest_param_numel=600
     )
     assert fsdp2.transient == 2 * 150 * 4 + 1000 * 4
     bf16 = estimate(units, 4, root_numel=root, compute_bytes=2, optim_temporaries=2)
-    assert bf16.transient == 2 * 250 * 4 + 2 * 250 * 2 + 250 * 4
+    assert bf16.transient == 2 * 250 * 4 + 1000 * 2 + 2 * 250 * 2 + 250 * 4
     offloaded = estimate(units, 4, optim_temporaries=2, offload_params=True)
-    assert offloaded.transient == 0
+    assert offloaded.transient == 1000 * 4  # the step's temporaries run on the host
     with pytest.raises(ValueError, match="unknown api"):
         estimate(units, 4, api="fsdp3")
 
 
 def test_plan_passes_the_door_and_the_optimizers_temporaries() -> None:
-    """make_plan: Adam's 2 temporaries, SGD's none; fsdp2 adds the copy-in gradient and
-    steps per parameter (the MLP matrix, d_model x ffn, is the largest)."""
+    """make_plan: Adam's 2 temporaries, SGD's none; both doors hold the copy-in gradient,
+    fsdp2 steps per parameter (the MLP matrix, d_model x ffn, is the largest)."""
     from fullshard.cli.plan import PRESETS, make_plan
 
     shape = PRESETS["bench-compute"]
