@@ -50,6 +50,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .._comm import collectives as comm
+from .storage_pool import POOL
 
 __all__: list[str] = []
 
@@ -133,12 +134,12 @@ class _Kept:
 
 def _free(tensor: torch.Tensor) -> None:
     if type(tensor) is torch.Tensor:  # a subclass frees through its own inner tensors
-        tensor.untyped_storage().resize_(0)
+        POOL.free(tensor.untyped_storage())  # see [Note: reusing unsharded memory]
 
 
 def _allocate(tensor: torch.Tensor, nbytes: int) -> None:
-    if type(tensor) is torch.Tensor and tensor.untyped_storage().nbytes() != nbytes:
-        tensor.untyped_storage().resize_(nbytes)
+    if type(tensor) is torch.Tensor:
+        POOL.fill(tensor.untyped_storage(), nbytes)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -14,7 +14,9 @@ otherwise unused storage (``_swap_data_ptr_``: the freed storage's object stays,
 bytes, as ``resize_(0)`` leaves it); ``fill`` moves kept memory of the same size into the
 storage a unit unshards. What is kept and taken:
 
-- a unit's unsharded flat buffer, freed at reshard and filled at unshard;
+- a unit's unsharded flat buffer, freed at reshard and filled at unshard, and the tensors
+  an all-gather extension's hooks built (``extensions.py``: the gathered inputs, the
+  unsharded tensor), likewise;
 - a unit's flat gradient, freed once its reduction is done
   (``_PendingReduction.recycle_input``) and drawn where autograd's backward builds it from
   the parameters' gradients (``_SplitLeaf`` for the flat layout, ``_Unflatten`` for
