@@ -105,10 +105,7 @@ class FlatLayout:
     def unsharded_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per slot, its view (in its shape) of an unsharded flat tensor of this layout (of
         ``leaf_numel`` elements or more)."""
-        # Split the leaf itself when it is exactly the parameters: autograd's backward of a
-        # slice would allocate and zero a second buffer of the whole unit per backward.
-        whole = flat if flat.numel() == self.numel else flat[: self.numel]
-        pieces = torch.split(whole, self.numels)
+        pieces = torch.split(flat[: self.numel], self.numels)
         return [piece.view(slot.shape) for piece, slot in zip(pieces, self.slots)]
 
 

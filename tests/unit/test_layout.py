@@ -196,17 +196,3 @@ def test_dim0_layout_refuses_scalars() -> None:
 
     with pytest.raises(ValueError, match="parameter s is 0-dimensional"):
         make_dim0_layout(["s"], [torch.Size([])], [True], 2)
-
-
-def test_unsharded_views_of_an_exact_leaf_split_the_leaf_itself() -> None:
-    """Views of a leaf of exactly the parameters' elements split the leaf with no slice
-    between: backward concatenates their gradients into the leaf's gradient, where a slice's
-    backward would allocate and zero a second buffer of the whole unit."""
-    layout = make_layout(["a", "b"], [torch.Size([3]), torch.Size([2, 2])], [True, True], 3)
-    leaf = torch.zeros(layout.leaf_numel, requires_grad=True)
-    views = layout.unsharded_views(leaf)
-    split = views[1].grad_fn.next_functions[0][0]  # (2, 2) <- view <- split
-    assert type(split).__name__.startswith("SplitWithSizesBackward")
-    assert split.next_functions[0][0].variable is leaf  # AccumulateGrad of the leaf itself
-    (views[0].sum() + 2 * views[1].sum()).backward()
-    torch.testing.assert_close(leaf.grad, torch.tensor([1.0, 1, 1, 2, 2, 2, 2]))
