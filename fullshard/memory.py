@@ -41,12 +41,20 @@ Three kinds, each allocated by code the model can name:
 
 - the optimizer's temporaries (``optim_temporaries``): torch's Adam off CUDA runs its
   single-tensor loop (``foreach`` is for CUDA tensors only), which per parameter builds
-  ``exp_avg_sq.sqrt()`` and its quotient by the bias correction before adding eps in place:
-  two tensors of that parameter's size, in the parameters' dtype. The optimizer sees one flat
-  shard per unit through ``FullyShardedDataParallel`` (two of the largest unit's shard) and
-  each parameter's DTensor shard through ``fully_shard`` (two of the largest parameter's
-  shard, ``largest_param_numel``). Not counted with parameter offload (the step runs on the
-  host).
+  ``exp_avg_sq.sqrt()`` and its quotient by the bias correction before adding eps in place,
+  while its loop variable ``denom`` still holds the previous parameter's quotient: three
+  tensors of a parameter's size, in the parameters' dtype, counted at the largest's (the
+  largest tensors come in neighbouring pairs: a model's equal units, an MLP's two matrices).
+  The optimizer sees one flat shard per unit through ``FullyShardedDataParallel`` (the largest
+  unit's shard) and each parameter's DTensor shard through ``fully_shard`` (the largest
+  parameter's shard, ``largest_param_numel``). With ``optim_foreach`` the step is torch's
+  ``foreach`` implementation, its default for CUDA tensors of the types it lists (plain
+  tensors, ``nn.Parameter``, DTensor: ``fully_shard``'s parameters on CUDA; not
+  ``FullyShardedDataParallel``'s flat parameters, whose class is not listed). Its
+  temporaries are lists over every parameter at once: Adam's ``_foreach_sqrt`` of all the
+  ``exp_avg_sq`` tensors is one tensor of the whole trainable shard (``optim_temporaries``
+  then counts such lists: 1 for Adam). Not counted with parameter offload (the step runs on
+  the host).
 - the gradient copy-in: the backward of the node that made a unit's parameters from its
   flat buffer holds every parameter's gradient while it copies them into the one flat
   gradient that is reduce-scattered: one more unit-sized gradient in the compute dtype.
@@ -62,8 +70,9 @@ Three kinds, each allocated by code the model can name:
   added to the sharded gradient (``finalize_grad``: one of the largest unit's shard).
 
 ``api`` is the door (``"fsdp1"``, ``"fsdp2"``); ``optim_temporaries`` the tensors the
-optimizer's step builds per parameter (Adam off CUDA: 2; default 0); ``largest_param_numel``
-the largest original parameter (default: a whole unit).
+optimizer's step holds at its peak, per parameter (Adam off CUDA: 3; default 0), or with
+``optim_foreach`` over all of them (Adam: 1); ``largest_param_numel`` the largest original
+parameter (default: a whole unit).
 """
 
 from __future__ import annotations
@@ -175,6 +184,7 @@ def estimate(
     api: str = "fsdp1",
     optim_temporaries: int = 0,
     largest_param_numel: int | None = None,
+    optim_foreach: bool = False,
 ) -> MemoryEstimate:
     """Per-rank peak memory of training with one FSDP unit per entry of ``unit_numels``
     (the root unit's own parameters in ``root_numel``). ``compute_bytes`` is the compute
@@ -188,7 +198,8 @@ def estimate(
     ``root_trainable_numel``) give the elements of each unit that require grad when some
     are frozen (default: all): gradients and optimizer state count those only.
     ``post_forward_shards``: ``fully_shard(reshard_after_forward=k)``'s ``k``. ``api``,
-    ``optim_temporaries``, ``largest_param_numel``: [Note: transient tensors of the step]."""
+    ``optim_temporaries``, ``largest_param_numel``, ``optim_foreach``: [Note: transient
+    tensors of the step]."""
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     name = _strategy_name(strategy)
@@ -210,7 +221,7 @@ def estimate(
         )  # fmt: skip
     transient = _transient(
         api, unit_numels, trainable, shards, param_bytes, compute_bytes,
-        0 if offload_params else optim_temporaries, largest_param_numel,
+        0 if offload_params else optim_temporaries, largest_param_numel, optim_foreach,
     )  # fmt: skip
     return MemoryEstimate(params, grads, optimizer, unsharded, activations, staging, transient)
 
@@ -238,6 +249,7 @@ def _transient(
     compute_bytes: int,
     optim_temporaries: int,
     largest_param_numel: int | None,
+    optim_foreach: bool = False,
 ) -> int:
     """Bytes of [Note: transient tensors of the step]: the optimizer's temporaries,
     ``fully_shard``'s gradient copy-in and mixed precision's cast shards."""
@@ -246,7 +258,9 @@ def _transient(
     largest = max(unit_numels, default=0)
     largest_grad = max(trainable[:-1], default=0)
     stepped = _shard(max(trainable), shards)  # FSDP1: one flat shard per unit (and root)
-    if api == "fsdp2":
+    if optim_foreach:  # one temporary per tensor, all alive at once
+        stepped = sum(_shard(t, shards) for t in trainable)
+    elif api == "fsdp2":
         stepped = _shard(min(largest_param_numel or max(trainable), max(trainable)), shards)
     transient = optim_temporaries * stepped * param_bytes
     transient += largest_grad * compute_bytes  # the gradient copy-in, either door

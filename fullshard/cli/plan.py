@@ -65,10 +65,16 @@ __all__ = [
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1, "adagrad": 1}
-_OPTIMIZER_TEMPORARIES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 0, "adagrad": 1}
-"""Tensors of a parameter's size each optimizer's single-tensor step builds (Adam:
-``exp_avg_sq.sqrt()`` and its quotient; Adagrad: ``state_sum.sqrt()``; see [Note: transient
-tensors of the step] in fullshard/memory.py)."""
+_OPTIMIZER_TEMPORARIES = {"adam": 3, "adamw": 3, "sgd": 0, "sgd-momentum": 0, "adagrad": 2}
+"""Tensors of a parameter's size alive at the peak of each optimizer's single-tensor step:
+what it builds for one parameter (Adam: ``exp_avg_sq.sqrt()`` and its quotient; Adagrad:
+``state_sum.sqrt()``) and the one its loop variable still holds from the parameter before
+(Adam's ``denom``, Adagrad's ``std``). See [Note: transient tensors of the step] in
+fullshard/memory.py; tests/unit/test_memory_model.py measures them on torch's optimizers."""
+_FOREACH_TEMPORARIES = {"adam": 1, "adamw": 1, "sgd": 0, "sgd-momentum": 0, "adagrad": 2}
+"""Tensors of the whole trainable shard each optimizer's ``foreach`` step builds (Adam:
+``_foreach_sqrt(exp_avg_sqs)``; Adagrad: ``_foreach_sqrt(state_sums)`` and the step's
+numerators): torch's default on CUDA for the DTensor parameters of ``fully_shard``."""
 _FSDP2_STRATEGIES = {
     # (2-D mesh, reshard_after_forward) -> the FSDP1 strategy with the same memory model
     (False, True): "FULL_SHARD",
@@ -155,6 +161,7 @@ def make_plan(
     units = [shape.unit_numel_per_tp_rank(tp)] * shape.n_layers
     root = shape.root_numel_per_tp_rank(tp)
     activations = _activations(shape, batch, seq_len, compute_bytes, activation_checkpointing, tp)
+    foreach = device == "cuda" and api == "fsdp2"  # see _FOREACH_TEMPORARIES
     resident = estimate(
         units, dp, strategy, root_numel=root, param_bytes=param_bytes,
         compute_bytes=compute_bytes, optim_states_per_param=_OPTIMIZER_STATES[optimizer],
@@ -162,8 +169,8 @@ def make_plan(
         # CPU ranks of one host exchange through shared memory (its staging counts)
         shared_memory_cell_bytes=SHARED_MEMORY_CELL_BYTES if device == "cpu" else 0,
         post_forward_shards=post_forward_shards, api=api,
-        optim_temporaries=_OPTIMIZER_TEMPORARIES[optimizer],
-        largest_param_numel=_largest_param_per_tp_rank(shape, tp),
+        optim_temporaries=(_FOREACH_TEMPORARIES if foreach else _OPTIMIZER_TEMPORARIES)[optimizer],
+        largest_param_numel=_largest_param_per_tp_rank(shape, tp), optim_foreach=foreach,
     )  # fmt: skip
     memory, host = _offloaded(resident) if cpu_offload else (resident, 0)
     fsdp_bytes = communication_bytes(

@@ -1,8 +1,11 @@
-"""fullshard.memory: the analytical per-rank memory model (pure arithmetic, no ranks)."""
+"""fullshard.memory: the analytical per-rank memory model (arithmetic, no ranks), and the
+optimizer temporaries it counts, measured on torch's optimizers."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+from live_bytes import NewTensorBytes
 
 from fullshard import ShardingStrategy
 from fullshard._comm.constants import SHARED_MEMORY_SLOTS
@@ -149,15 +152,51 @@ def test_transient_tensors_of_the_step_by_door_and_precision() -> None:
 
 
 def test_plan_passes_the_door_and_the_optimizers_temporaries() -> None:
-    """make_plan: Adam's 2 temporaries, SGD's none; both doors hold the copy-in gradient,
-    fsdp2 steps per parameter (the MLP matrix, d_model x ffn, is the largest)."""
+    """make_plan: Adam's 3 temporaries, SGD's none; both doors hold the copy-in gradient,
+    fsdp2 steps per parameter (the MLP matrix, d_model x ffn, is the largest), and on CUDA
+    through torch's foreach step: one temporary of all the trainable shards."""
     from fullshard.cli.plan import PRESETS, make_plan
 
     shape = PRESETS["bench-compute"]
     adam = make_plan(shape, 2, device="cuda").memory
     sgd = make_plan(shape, 2, optimizer="sgd", device="cuda").memory
     unit_shard = -(-shape.unit_numel // 2)
-    assert adam.transient - sgd.transient == 2 * unit_shard * 4
-    fsdp2 = make_plan(shape, 2, device="cuda", api="fsdp2").memory
+    assert adam.transient - sgd.transient == 3 * unit_shard * 4
+    fsdp2 = make_plan(shape, 2, device="cpu", api="fsdp2").memory
     mlp_shard = shape.d_model * shape.ffn // 2
-    assert fsdp2.transient == 2 * mlp_shard * 4 + shape.unit_numel * 4
+    assert fsdp2.transient == 3 * mlp_shard * 4 + shape.unit_numel * 4
+    on_cuda = make_plan(shape, 2, device="cuda", api="fsdp2").memory
+    assert on_cuda.transient == on_cuda.grads + shape.unit_numel * 4  # Adam: grads' size
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "sgd", "sgd-momentum", "adagrad"])
+@pytest.mark.parametrize("foreach", [False, True])
+def test_optimizer_temporaries_are_what_torchs_optimizers_allocate(
+    name: str, foreach: bool
+) -> None:
+    """The plan's tables of optimizer temporaries against the bytes torch's own optimizers
+    allocate in a step (after the first, which builds the state): the single-tensor loop
+    holds `_OPTIMIZER_TEMPORARIES` tensors of the largest parameter (the two largest side by
+    side, as a model's units are), the foreach step `_FOREACH_TEMPORARIES` of all of them."""
+    from fullshard.cli.plan import _FOREACH_TEMPORARIES, _OPTIMIZER_TEMPORARIES
+
+    make = {
+        "adam": lambda ps: torch.optim.Adam(ps, lr=0.1, foreach=foreach),
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.1, foreach=foreach),
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, foreach=foreach),
+        "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=foreach),
+        "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1, foreach=foreach),
+    }[name]
+    sizes = [100, 300, 300, 50]
+    params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optim = make(params)
+    optim.step()
+    state = [v for s in optim.state.values() for v in s.values() if torch.is_tensor(v)]
+    with NewTensorBytes([*params, *(p.grad for p in params), *state]) as seen:
+        optim.step()
+    if foreach:
+        assert seen.peak == _FOREACH_TEMPORARIES[name] * sum(sizes) * 4
+    else:
+        assert seen.peak == _OPTIMIZER_TEMPORARIES[name] * max(sizes) * 4
