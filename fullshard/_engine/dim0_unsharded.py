@@ -81,6 +81,13 @@ class Dim0Unsharded:
         self.grads_received = [False] * len(layout.slots)
         """Per slot, whether autograd gave it a gradient since the last reduction (the
         backwards of every forward in between: accumulation, recomputation)."""
+        self._whole_rows = _whole_rows_split(layout, self.dims)
+        """When every parameter splits into whole rows evenly over the ranks (no padding): per
+        parameter, its chunk's elements in each rank's shard. The gathered buffer is then an
+        (ranks, shard) matrix whose columns split, parameter by parameter, into each one's
+        rows: one ``split_with_sizes_copy`` copies every parameter out and one ``cat`` copies
+        the gradients in, as torch's FSDP2 does, not one copy per parameter (on CUDA, one
+        kernel launch per parameter)."""
         self._flat: list[torch.Tensor] = []
         """Each parameter's flat view, shared by the ranks' parts."""
         self._rank_parts: dict[int, list[tuple[torch.Tensor, int, int, int]]] = {}
@@ -149,10 +156,33 @@ class Dim0Unsharded:
     def fill(self, gathered: torch.Tensor) -> None:
         """Copy each parameter out of the all-gathered buffer (copy-out)."""
         with torch.no_grad():
-            for index, tensor in enumerate(self.tensors):
+            sizes, tensors = self._whole_rows, self.tensors
+            if sizes is not None and all(t.dtype == gathered.dtype for t in tensors):
+                self.allocate()
+                rows = self.layout.num_shards
+                outs = [tensor.view(rows, size) for tensor, size in zip(tensors, sizes)]
+                blocks = gathered[: self.layout.padded_numel].view(rows, -1)
+                torch.split_with_sizes_copy(blocks, sizes, dim=1, out=outs)
+                return
+            for index, tensor in enumerate(tensors):
                 _allocate(tensor)
                 for part, place in self.pairs(index, tensor, gathered):
                     part.copy_(place)
+
+    def copy_in(self, grads: tuple[torch.Tensor | None, ...], flat: torch.Tensor) -> None:
+        """Write the parameters' gradients into ``flat`` (the unit's flat gradient, in the
+        gathered buffer's layout); zeros where none arrived and in the padding."""
+        sizes, rows = self._whole_rows, self.layout.num_shards
+        if sizes is not None and all(g is not None and g.dtype == flat.dtype for g in grads):
+            pieces = [g.reshape(rows, size) for g, size in zip(grads, sizes)]  # type: ignore[union-attr]
+            torch.cat(pieces, dim=1, out=flat[: self.layout.padded_numel].view(rows, -1))
+            return
+        if not (self.layout.evenly_split and all(g is not None for g in grads)):
+            flat.zero_()  # padding, or a parameter's places no gradient writes
+        for index, grad in enumerate(grads):
+            if grad is not None:
+                for part, place in self.pairs(index, grad, flat):
+                    place.copy_(part)
 
     def free(self) -> None:
         for tensor in self.tensors:
@@ -187,19 +217,23 @@ class _Unflatten(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor, None]:
         unsharded: Dim0Unsharded = ctx.unsharded
-        layout = unsharded.layout
         # see [Note: reusing unsharded memory]; the reduction frees it into the pool again
         flat = POOL.empty(ctx.leaf_numel, ctx.dtype, ctx.device)
-        if not (layout.evenly_split and all(g is not None for g in grads)):
-            flat.zero_()  # padding, or a parameter's places no gradient writes
-        for index, grad in enumerate(grads):
-            if grad is None:
-                continue
-            for part, place in unsharded.pairs(index, grad, flat):
-                place.copy_(part)
+        unsharded.copy_in(grads, flat)
         received = [g is not None for g in grads]  # see [Note: parameters without a gradient]
         unsharded.grads_received = [a or b for a, b in zip(unsharded.grads_received, received)]
         return flat, None
+
+
+def _whole_rows_split(layout: Dim0Layout, dims: list[int]) -> list[int] | None:
+    """See ``Dim0Unsharded._whole_rows``: None where a parameter is sharded on another dim
+    or its rows do not split evenly (its chunks padded)."""
+    if any(dims) or not layout.evenly_split:
+        return None
+    return [
+        rows * (slot.numel // slot.shape[0] if slot.shape[0] else 0)
+        for slot, rows in zip(layout.slots, layout.chunk_rows)
+    ]
 
 
 class PostForwardShard:

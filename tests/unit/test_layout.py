@@ -179,8 +179,8 @@ def test_dim0_copy_in_of_an_evenly_split_layout_writes_every_place() -> None:
     from fullshard._engine.dim0_unsharded import Dim0Unsharded
     from fullshard._engine.layout import make_dim0_layout
 
-    shapes = [torch.Size([4, 3]), torch.Size([2])]
-    layout = make_dim0_layout(["a", "b"], shapes, [True, True], 2)
+    shapes = [torch.Size([4, 3]), torch.Size([0, 5]), torch.Size([2])]
+    layout = make_dim0_layout(["a", "empty", "b"], shapes, [True] * 3, 2)
     assert layout.evenly_split
     gathered = torch.randn(layout.padded_numel)
     unsharded = Dim0Unsharded(layout, torch.float32, torch.device("cpu"))
