@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..api import MixedPrecision
+from .accumulated_grads import AccumulatedGradViews
 from .dtensor_params import DTensorParams, local_tensor
 from .extensions import AllGatherExtensions, has_extension, is_extension_subclass
 from .flat_segment import FlatParameter, FlatSegment
@@ -82,7 +83,7 @@ _FSDP_USE_UNSAFE_SETATTR = "FSDP_USE_UNSAFE_SETATTR"
 # (`has_frozen_segment`; see [Note: resharding units with frozen parameters] in runtime.py).
 
 
-class FlatParamHandle(OrigParamViews, SummonViews, GradReduction):
+class FlatParamHandle(OrigParamViews, SummonViews, GradReduction, AccumulatedGradViews):
     """Owns a unit's flat parameters: their storage (one or two segments), views and gradient.
 
     Parameters are given in registration order; ``owners[i]`` lists every ``(module, attr)``
@@ -123,6 +124,7 @@ class FlatParamHandle(OrigParamViews, SummonViews, GradReduction):
         self._dtensor_params = dtensor_params  # FSDP2's DTensor parameters (dtensor_params.py)
         self.gradient_divide_factor: float | None = None  # None: the data parallel ranks
         self._init_reduction_state()
+        self._init_exposure_state()
         self._shard_version_at_unshard = -1  # the shard's version when last gathered
         self.device = device
         self._offload_params = offload_params
@@ -454,6 +456,7 @@ class FlatParamHandle(OrigParamViews, SummonViews, GradReduction):
         the compute dtype's bytes.
         """
         self._assert_state(HandleState.SHARDED, "unshard")
+        self.adopt_exposed_grad()  # see [Note: gradients accumulated under no_sync]
         self._write_back_orig_params()
         self.release_grads_if_dropped()
         if self._shard_version() != self._shard_version_at_unshard:

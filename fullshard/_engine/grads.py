@@ -68,15 +68,20 @@ def _owns_its_storage(tensor: torch.Tensor) -> bool:
 
 
 def assign_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
-    """Set ``param.grad``, also to a gradient of another dtype (``keep_low_precision_grads``).
+    """Set ``param.grad``, also to a gradient of another dtype (``keep_low_precision_grads``)
+    or size (the unsharded gradient of a sharded parameter inside ``no_sync()``).
 
-    The ``.grad`` setter refuses a dtype that differs from the parameter's, so such a gradient
-    is installed through ``.data`` of a placeholder, as torch's FSDP does.
+    The ``.grad`` setter refuses a dtype, size or device that differs from the parameter's,
+    so such a gradient is installed through ``.data`` of a placeholder, as torch's FSDP does.
     """
-    if grad is None or grad.dtype == param.dtype:
+    if grad is None or (grad.dtype, grad.shape, grad.device) == (
+        param.dtype,
+        param.shape,
+        param.device,
+    ):
         param.grad = grad
         return
-    param.grad = torch.empty((), dtype=param.dtype, device=grad.device).expand(param.shape)
+    param.grad = torch.empty((), dtype=param.dtype, device=param.device).expand(param.shape)
     param.grad.data = grad
 
 
@@ -113,6 +118,8 @@ class GradReduction:
         @property
         def flat_params(self) -> list[FlatParameter]: ...
         def sync_orig_grads(self) -> None: ...
+        def adopt_exposed_grad(self) -> None: ...
+        def drop_exposed_grad(self) -> None: ...
         def _use_sharded_grad_views(self, unused: set[int] | None = None) -> None: ...
         def run_post_accumulate_grad_hooks(self) -> None: ...
 
@@ -168,6 +175,7 @@ class GradReduction:
 
     def reduce_grad(self) -> None:
         """Issue the reduction of the unsharded gradient (async); frees it once done."""
+        self.adopt_exposed_grad()  # see [Note: gradients accumulated under no_sync]
         for unsharded in self._segments[0].buffers():
             grad, unsharded.leaf.grad = unsharded.leaf.grad, None
             accumulated, unsharded.accumulated_grad = unsharded.accumulated_grad, None
@@ -243,6 +251,7 @@ class GradReduction:
         """Drop what a failed step left between autograd and ``.grad``: the unsharded
         gradients, a reduction in flight (waited for: its buffers must outlive it) and
         HSDP's sum not yet all-reduced. ``.grad`` keeps what earlier steps put there."""
+        self.drop_exposed_grad()
         pending, self._pending_reduction = self._pending_reduction, None
         if pending is not None:
             pending.work.wait()

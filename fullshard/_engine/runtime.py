@@ -424,6 +424,7 @@ class UnitRuntime:
             root.finalize_reductions(keep=root.reductions_to_keep())
         else:
             handle.accumulate_unsharded_grad()
+            handle.expose_accumulated_grad()  # see [Note: gradients accumulated under no_sync]
         root.prefetch_for_backward(self, BackwardPrefetch.BACKWARD_POST)
         self.received_installments += 1
         self._reshard_if_done()
