@@ -18,6 +18,15 @@ unsharded parameters stayed alive from its forward to its backward, in autograd'
 tensors: no memory saved by resharding after forward. The aliases are separate tensors (not
 ``detach()`` views), so the copy-out's writes do not bump the version counter autograd
 checks for them.
+
+[Note: one block per unit]
+The unit's parameters' tensors lie back to back in one storage (``_one_block``), each a
+tensor of its own over its part: an unshard allocates one unit-sized block, a reshard frees
+it, and both go through the pool of freed memory ([Note: reusing unsharded memory] in
+storage_pool.py), as the flat layout's buffer does. One storage per parameter (torch's
+FSDP2's layout) made every unshard a malloc per parameter and every reshard a free per
+parameter, blocks of a few MiB that glibc keeps in its heap, fragmented, where the pool
+could not reuse them.
 """
 
 from __future__ import annotations
@@ -46,10 +55,20 @@ def _free(tensor: torch.Tensor) -> None:
     tensor.untyped_storage().resize_(0)
 
 
-def _allocate(tensor: torch.Tensor) -> None:
-    nbytes = tensor.numel() * tensor.element_size()
-    if tensor.untyped_storage().nbytes() != nbytes:
-        tensor.untyped_storage().resize_(nbytes)
+def _one_block(
+    shapes: list[torch.Size], dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """Tensors of ``shapes``, contiguous, back to back in one storage (freed: 0 bytes), each
+    a tensor of its own (not a view: no base, its own version counter)."""
+    numels = [torch.Size(shape).numel() for shape in shapes]
+    storage = torch.UntypedStorage(0, device=device)
+    tensors, offset = [], 0
+    for shape, numel in zip(shapes, numels):
+        stride = torch.empty(0, device="meta").new_empty(shape).stride()
+        tensor = torch.empty(0, dtype=dtype, device=device)
+        tensors.append(tensor.set_(storage, offset, torch.Size(shape), stride))
+        offset += numel
+    return tensors
 
 
 class Dim0Unsharded:
@@ -71,10 +90,14 @@ class Dim0Unsharded:
         ranks' pieces are copied to and from their places rank by rank."""
         if tensors is None:  # given: the same parameters gathered over another layout
             own = shapes if shapes is not None else [slot.shape for slot in layout.slots]
-            tensors = [torch.empty(shape, dtype=dtype, device=device) for shape in own]
-            for tensor in tensors:
-                _free(tensor)
+            tensors = _one_block(list(own), dtype, device)
         self.tensors = tensors
+        self._storage = tensors[0].untyped_storage() if tensors else None
+        """The one storage every parameter's tensor lies in, back to back (see [Note: one
+        block per unit])."""
+        self._nbytes = sum(t.numel() for t in tensors) * (
+            tensors[0].element_size() if tensors else 0
+        )
         self.overrides: dict[int, torch.Tensor] = {}
         """Slot -> the tensor modules compute with instead of the slot's own (built by its
         all-gather extension; see [Note: all-gather extensions] in extensions.py)."""
@@ -97,8 +120,8 @@ class Dim0Unsharded:
         delivery: only the shared-memory sink reads it, for the ranks of one host."""
 
     def allocate(self) -> None:
-        for tensor in self.tensors:
-            _allocate(tensor)
+        if self._storage is not None:  # see [Note: reusing unsharded memory]
+            POOL.fill(self._storage, self._nbytes)
 
     def receive(self, rank: int, start: int, data: torch.Tensor) -> None:
         """Elements ``[start, start + len(data))`` of ``rank``'s shard, as the shared-memory
@@ -164,8 +187,8 @@ class Dim0Unsharded:
                 blocks = gathered[: self.layout.padded_numel].view(rows, -1)
                 torch.split_with_sizes_copy(blocks, sizes, dim=1, out=outs)
                 return
+            self.allocate()
             for index, tensor in enumerate(tensors):
-                _allocate(tensor)
                 for part, place in self.pairs(index, tensor, gathered):
                     part.copy_(place)
 
@@ -185,12 +208,12 @@ class Dim0Unsharded:
                     place.copy_(part)
 
     def free(self) -> None:
-        for tensor in self.tensors:
-            _free(tensor)
+        if self._storage is not None:
+            POOL.free(self._storage)
         self.overrides = {}
 
     def nbytes(self) -> int:
-        return sum(tensor.untyped_storage().nbytes() for tensor in self.tensors)
+        return self._storage.nbytes() if self._storage is not None else 0
 
     def views(self, leaf: torch.Tensor) -> list[torch.Tensor]:
         """The parameters as modules compute with them: aliases of ``tensors``, linked by
