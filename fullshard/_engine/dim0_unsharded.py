@@ -58,8 +58,9 @@ def _free(tensor: torch.Tensor) -> None:
 def _one_block(
     shapes: list[torch.Size], dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
-    """Tensors of ``shapes``, contiguous, back to back in one storage (freed: 0 bytes), each
-    a tensor of its own (not a view: no base, its own version counter)."""
+    """Tensors of ``shapes``, contiguous, back to back in one storage (freed: 0 bytes, as the
+    unit starts sharded), each a tensor of its own (not a view: no base, its own version
+    counter)."""
     numels = [torch.Size(shape).numel() for shape in shapes]
     storage = torch.UntypedStorage(0, device=device)
     tensors, offset = [], 0
@@ -68,6 +69,7 @@ def _one_block(
         tensor = torch.empty(0, dtype=dtype, device=device)
         tensors.append(tensor.set_(storage, offset, torch.Size(shape), stride))
         offset += numel
+    storage.resize_(0)  # ``set_`` grew it to fit each tensor
     return tensors
 
 

@@ -157,7 +157,11 @@ def test_dim0_copy_out_and_copy_in_invert_each_other(num_shards: int) -> None:
     layout = make_dim0_layout(["a", "b", "c"], shapes, [True] * 3, num_shards)
     gathered = torch.randn(layout.padded_numel)
     unsharded = Dim0Unsharded(layout, torch.float32, torch.device("cpu"))
+    assert unsharded.nbytes() == 0  # a unit starts sharded: no memory until it unshards
     unsharded.fill(gathered)
+    storage = unsharded.tensors[0].untyped_storage()
+    assert unsharded.nbytes() == sum(s.numel() for s in shapes) * 4  # one block for all
+    assert all(t.untyped_storage().data_ptr() == storage.data_ptr() for t in unsharded.tensors)
     expected = layout.unsharded_views(gathered)
     leaf = torch.zeros(layout.leaf_numel, requires_grad=True)
     views = unsharded.views(leaf)
