@@ -49,8 +49,9 @@ Three kinds, each allocated by code the model can name:
   unit's shard) and each parameter's DTensor shard through ``fully_shard`` (the largest
   parameter's shard, ``largest_param_numel``). With ``optim_foreach`` the step is torch's
   ``foreach`` implementation, its default for CUDA tensors of the types it lists (plain
-  tensors, ``nn.Parameter``, DTensor: ``fully_shard``'s parameters on CUDA; not
-  ``FullyShardedDataParallel``'s flat parameters, whose class is not listed). Its
+  tensors, ``nn.Parameter``, DTensor, and fullshard's ``FlatParameter``, which
+  ``flat_segment`` adds as torch's FSDP1 flat parameters are plain ``nn.Parameter``s): either
+  door's parameters on CUDA. Its
   temporaries are lists over every parameter at once: Adam's ``_foreach_sqrt`` of all the
   ``exp_avg_sq`` tensors is one tensor of the whole trainable shard (``optim_temporaries``
   then counts such lists: 1 for Adam). Not counted with parameter offload (the step runs on

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import _foreach_supported_types
 from torch.utils.hooks import RemovableHandle
 
 from .._comm import collectives as comm
@@ -73,6 +74,14 @@ class FlatParameter(nn.Parameter):
         self._shapes = [slot.shape for slot in layout.slots]
         self._numels = tuple(slot.numel for slot in layout.slots)
         setattr(self, FSDP_FLATTENED, True)
+
+
+# torch's optimizers take their ``foreach`` step (a few kernels per step on CUDA, not a few per
+# tensor) only for the tensor types they list; torch's own FSDP1 flat parameters are plain
+# ``nn.Parameter`` objects, so they get it, and DTensor lists itself. This class is listed
+# too, so ``FullyShardedDataParallel``'s flat parameters step as torch's do.
+if FlatParameter not in _foreach_supported_types:
+    _foreach_supported_types.append(FlatParameter)
 
 
 @dataclass

@@ -74,7 +74,8 @@ fullshard/memory.py; tests/unit/test_memory_model.py measures them on torch's op
 _FOREACH_TEMPORARIES = {"adam": 1, "adamw": 1, "sgd": 0, "sgd-momentum": 0, "adagrad": 2}
 """Tensors of the whole trainable shard each optimizer's ``foreach`` step builds (Adam:
 ``_foreach_sqrt(exp_avg_sqs)``; Adagrad: ``_foreach_sqrt(state_sums)`` and the step's
-numerators): torch's default on CUDA for the DTensor parameters of ``fully_shard``."""
+numerators): torch's default on CUDA, for either door's parameters (DTensors, flat
+parameters)."""
 _FSDP2_STRATEGIES = {
     # (2-D mesh, reshard_after_forward) -> the FSDP1 strategy with the same memory model
     (False, True): "FULL_SHARD",
@@ -161,7 +162,7 @@ def make_plan(
     units = [shape.unit_numel_per_tp_rank(tp)] * shape.n_layers
     root = shape.root_numel_per_tp_rank(tp)
     activations = _activations(shape, batch, seq_len, compute_bytes, activation_checkpointing, tp)
-    foreach = device == "cuda" and api == "fsdp2"  # see _FOREACH_TEMPORARIES
+    foreach = device == "cuda"  # see _FOREACH_TEMPORARIES
     resident = estimate(
         units, dp, strategy, root_numel=root, param_bytes=param_bytes,
         compute_bytes=compute_bytes, optim_states_per_param=_OPTIMIZER_STATES[optimizer],

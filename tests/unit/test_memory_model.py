@@ -154,19 +154,20 @@ def test_transient_tensors_of_the_step_by_door_and_precision() -> None:
 def test_plan_passes_the_door_and_the_optimizers_temporaries() -> None:
     """make_plan: Adam's 3 temporaries, SGD's none; both doors hold the copy-in gradient,
     fsdp2 steps per parameter (the MLP matrix, d_model x ffn, is the largest), and on CUDA
-    through torch's foreach step: one temporary of all the trainable shards."""
+    either door through torch's foreach step: one temporary of all the trainable shards."""
     from fullshard.cli.plan import PRESETS, make_plan
 
     shape = PRESETS["bench-compute"]
-    adam = make_plan(shape, 2, device="cuda").memory
-    sgd = make_plan(shape, 2, optimizer="sgd", device="cuda").memory
+    adam = make_plan(shape, 2, device="cpu").memory
+    sgd = make_plan(shape, 2, optimizer="sgd", device="cpu").memory
     unit_shard = -(-shape.unit_numel // 2)
     assert adam.transient - sgd.transient == 3 * unit_shard * 4
     fsdp2 = make_plan(shape, 2, device="cpu", api="fsdp2").memory
     mlp_shard = shape.d_model * shape.ffn // 2
     assert fsdp2.transient == 3 * mlp_shard * 4 + shape.unit_numel * 4
-    on_cuda = make_plan(shape, 2, device="cuda", api="fsdp2").memory
-    assert on_cuda.transient == on_cuda.grads + shape.unit_numel * 4  # Adam: grads' size
+    for api in ("fsdp1", "fsdp2"):
+        on_cuda = make_plan(shape, 2, device="cuda", api=api).memory
+        assert on_cuda.transient == on_cuda.grads + shape.unit_numel * 4  # Adam: grads' size
 
 
 @pytest.mark.parametrize("name", ["adam", "adamw", "sgd", "sgd-momentum", "adagrad"])
@@ -200,3 +201,26 @@ def test_optimizer_temporaries_are_what_torchs_optimizers_allocate(
         assert seen.peak == _FOREACH_TEMPORARIES[name] * sum(sizes) * 4
     else:
         assert seen.peak == _OPTIMIZER_TEMPORARIES[name] * max(sizes) * 4
+
+
+def test_flat_parameters_take_torchs_foreach_step_as_torchs_fsdp1_do() -> None:
+    """fullshard's FlatParameter is on torch's list of types the optimizers' foreach step
+    takes (torch's FSDP1 flat parameters are plain nn.Parameters, which are), and a foreach
+    Adam step over flat parameters equals the single-tensor one."""
+    from torch.optim.optimizer import _foreach_supported_types
+
+    from fullshard._engine.flat_segment import FlatParameter
+
+    assert FlatParameter in _foreach_supported_types
+    steps = []
+    for foreach in (False, True):
+        torch.manual_seed(0)
+        params = [FlatParameter(torch.randn(n)) for n in (5, 8)]
+        optim = torch.optim.Adam(params, lr=0.1, foreach=foreach)
+        for _ in range(2):
+            for param in params:
+                param.grad = torch.randn_like(param)
+            optim.step()
+        steps.append([p.detach().clone() for p in params])
+    for single, multi in zip(*steps):
+        torch.testing.assert_close(single, multi)
