@@ -180,16 +180,15 @@ class Dim0Unsharded:
 
     def fill(self, gathered: torch.Tensor) -> None:
         """Copy each parameter out of the all-gathered buffer (copy-out)."""
+        self.allocate()
         with torch.no_grad():
             sizes, tensors = self._whole_rows, self.tensors
             if sizes is not None and all(t.dtype == gathered.dtype for t in tensors):
-                self.allocate()
                 rows = self.layout.num_shards
                 outs = [tensor.view(rows, size) for tensor, size in zip(tensors, sizes)]
                 blocks = gathered[: self.layout.padded_numel].view(rows, -1)
                 torch.split_with_sizes_copy(blocks, sizes, dim=1, out=outs)
                 return
-            self.allocate()
             for index, tensor in enumerate(tensors):
                 for part, place in self.pairs(index, tensor, gathered):
                     part.copy_(place)
