@@ -99,7 +99,6 @@ class AccumulatedGradViews:
 
     def _end_exposure(self) -> None:
         self._exposed = None
-        self.flat_param.grad = None
         assign_grad(self.flat_param, self._set_aside_grad)
         self._set_aside_grad = None
         if self._use_orig_params:

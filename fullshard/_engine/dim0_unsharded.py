@@ -65,7 +65,7 @@ def _one_block(
     storage = torch.UntypedStorage(0, device=device)
     tensors, offset = [], 0
     for shape, numel in zip(shapes, numels):
-        stride = torch.empty(0, device="meta").new_empty(shape).stride()
+        stride = torch.empty(shape, device="meta").stride()
         tensor = torch.empty(0, dtype=dtype, device=device)
         tensors.append(tensor.set_(storage, offset, torch.Size(shape), stride))
         offset += numel
