@@ -13,6 +13,7 @@ engine's own host work and memory: what a device check can measure in seconds.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import cProfile
 import os
 import pstats
@@ -52,7 +53,7 @@ def _step(model: Any, optim: Any, args: argparse.Namespace, engine: str, step: i
     device = args.torch_device
     _sync(device)
     step_start = time.perf_counter()
-    inputs, targets = bench._batch(bench.CONFIGS[args.config], 0, step, device)
+    inputs, targets = bench._batch(_config(args), 0, step, device)
     out: dict[str, tuple[float, float]] = {}
     start_mib = torch.cuda.memory_allocated() / 2**20 if device.type == "cuda" else 0.0
 
@@ -79,10 +80,18 @@ def _step(model: Any, optim: Any, args: argparse.Namespace, engine: str, step: i
     return out
 
 
+def _config(args: argparse.Namespace) -> Any:
+    """The bench's config ``--config``, with ``--layers`` / ``--d-model`` if given (the
+    host-overhead probe: many small blocks, little compute)."""
+    config = bench.CONFIGS[args.config]
+    changes = {"n_layers": args.layers, "d_model": args.d_model}
+    return dataclasses.replace(config, **{k: v for k, v in changes.items() if v})
+
+
 def _profile_engine(engine: str, args: argparse.Namespace) -> None:
     device = args.torch_device
     torch.manual_seed(0)
-    config = bench.CONFIGS[args.config]
+    config = _config(args)
     model = bench._wrap(engine, GPT(config.gpt()).to(device), args, device)
     optim = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=args.foreach)
     for step in range(args.warmup):
@@ -150,6 +159,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--profile", type=int, default=0, help="print this many cProfile rows")
     parser.add_argument("--sync-debug", action="store_true")
+    parser.add_argument("--layers", type=int, default=0, help="override the config's layers")
+    parser.add_argument("--d-model", type=int, default=0, help="override the config's width")
     parser.add_argument(
         "--foreach",
         type=lambda v: {"on": True, "off": False}[v],

@@ -240,6 +240,10 @@ class DTensorParams:
             DTensor(local, self._spec(index, local.dtype), requires_grad=False),
             requires_grad=requires_grad,
         )
+        # nn.Parameter's detach gave the parameter a spec of its own: gradients (``wrap``)
+        # take that very object, as torch's FSDP2 does, so DTensor's dispatch of the
+        # optimizer's ops on both finds them identical rather than comparing them
+        self._specs[(index, local.dtype)] = param._spec  # type: ignore[attr-defined]
         self.adopt(param)
         return param
 

@@ -37,6 +37,7 @@ from .._comm.groups import ShardingGroups
 from .dim0_unsharded import Dim0Unsharded, PostForwardShard
 from .layout import Dim0Layout, FlatLayout, ShardPiece
 from .names import FSDP_FLATTENED
+from .piece_views import PieceViews
 from .storage_pool import POOL
 
 __all__ = ["FlatParameter", "FlatSegment"]
@@ -202,6 +203,7 @@ class FlatSegment:
         self._shard_rank = groups.shard_rank if uses_sharded_strategy else 0
         self.pieces: tuple[ShardPiece | None, ...] = layout.shard_pieces(self._shard_rank)
         """Per slot, its piece of this rank's shard (None where it has none)."""
+        self._piece_views = PieceViews(layout, self.pieces, uses_sharded_strategy)
         self.requires_grad = all(slot.requires_grad for slot in layout.slots)
         """Whether the segment trains: its parameters' flag at wrapping, then whatever
         ``set_requires_grad`` adopted."""
@@ -518,16 +520,13 @@ class FlatSegment:
         return self.layout.unsharded_views(flat)
 
     def sharded_piece_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Per slot, its piece of the shard-shaped ``flat`` (empty if it has none)."""
-        views: list[torch.Tensor] = []
-        for slot, piece in zip(self.layout.slots, self.pieces):
-            if not self.uses_sharded_strategy:
-                views.append(flat[slot.offset : slot.offset + slot.numel].view(slot.shape))
-            elif piece is None:
-                views.append(flat.new_empty(0))
-            else:
-                views.append(flat[piece.shard_start : piece.shard_start + piece.numel])
-        return views
+        """Per slot, its piece of the shard-shaped ``flat`` (empty if it has none), detached."""
+        return self._piece_views.views(flat)
+
+    def piece_places(self) -> list[tuple[int, torch.Size] | None]:
+        """Per slot, the address and shape of its view in
+        ``sharded_piece_views(self.flat_param)``, without making the views."""
+        return self._piece_views.places(self.flat_param)
 
     def load_piece(self, slot_index: int, value: torch.Tensor) -> None:
         """Copy this rank's piece of slot ``slot_index``'s full ``value`` into the shard."""

@@ -217,9 +217,13 @@ class OrigParamViews:
     def _use_sharded_params(self) -> None:
         """``use_orig_params``: original parameters registered, data = their shard pieces."""
         for segment in self._segments:
+            on_piece = self._on_their_pieces(segment)
+            if all(on_piece):  # as every reshard but the first finds them
+                continue
             views = segment.sharded_piece_views(segment.flat_param)
-            for index, view in zip(segment.indices, views):
-                self._set_sharded_piece(index, view)
+            for index, view, kept in zip(segment.indices, views, on_piece):
+                if not kept:
+                    self._set_sharded_piece(index, view)
         for param, slot_owners in zip(self._orig_params, self._owners):
             for module, name in slot_owners:
                 _assign_param(module, name, param, self._unsafe_setattr)
@@ -325,7 +329,7 @@ class OrigParamViews:
         if not self._use_orig_params:
             return
         changed = False
-        for index, view in self._orig_param_pieces():
+        for index, view in self._changed_orig_param_pieces():
             if index in self._extension_subclasses:
                 continue  # its local tensor is its own (see [Note: all-gather extensions])
             param = self._registered_orig_param(index, view)
@@ -343,6 +347,44 @@ class OrigParamViews:
                 changed = True
         if changed:
             self._use_sharded_params()
+
+    def _changed_orig_param_pieces(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """``_orig_param_pieces``, less the parameters every owner still holds, on their
+        pieces: what ``_write_back_orig_params`` would find nothing to adopt in, known
+        without making their views (this runs for every unit at every unshard)."""
+        for segment in self._segments:
+            held = [
+                kept
+                and all(m._parameters.get(n) is self._orig_params[i] for m, n in self._owners[i])
+                for i, kept in zip(segment.indices, self._on_their_pieces(segment))
+            ]
+            if all(held):
+                continue
+            views = segment.sharded_piece_views(segment.flat_param)
+            yield from (
+                (index, view) for index, view, kept in zip(segment.indices, views, held) if not kept
+            )
+
+    def _on_their_pieces(self, segment: FlatSegment) -> list[bool]:
+        """Per parameter of ``segment``, whether it lies on its piece of the shard as
+        ``_set_sharded_piece`` puts it there: the same address, shape, dtype, contiguous (a
+        DTensor one made by a unit: its local tensor, with the piece's size)."""
+        out = []
+        dtype = segment.flat_param.dtype
+        for index, place in zip(segment.indices, segment.piece_places()):
+            param = self._orig_params[index]
+            if place is None or index in self._extension_subclasses:
+                out.append(False)
+                continue
+            address, shape = place
+            local = local_tensor(param)
+            if self._dtensor_params is None:
+                kept = local.shape == shape
+            else:
+                kept = sharded_by_a_unit(param) and local.numel() == shape.numel()
+            kept = kept and local.dtype == dtype and local.is_contiguous()
+            out.append(kept and (shape.numel() == 0 or local.data_ptr() == address))
+        return out
 
     def materialize_assigned_params(self) -> None:
         """FSDP2, before a forward: a shard still on the meta device (``fully_shard`` on a meta
