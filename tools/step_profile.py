@@ -4,7 +4,9 @@ that make the host wait for the device (CUDA's sync debug mode).
 
 One process, world size 1 (NCCL on CUDA, gloo on the CPU), the engines and models of
 ``fullshard bench``. At world size 1 no bytes move, so what differs between engines is each
-engine's own host work and memory: what a device check can measure in seconds.
+engine's own host work and memory: what a device check can measure in seconds. Under
+``torchrun --nproc-per-node N`` every rank steps and rank 0 reports (its phases then include
+waiting for the others).
 
     python tools/step_profile.py --device cuda --config comm --engines fullshard-fsdp2,fsdp2 \
         --mixed-precision bf16 --profile 25 --sync-debug
@@ -53,7 +55,7 @@ def _step(model: Any, optim: Any, args: argparse.Namespace, engine: str, step: i
     device = args.torch_device
     _sync(device)
     step_start = time.perf_counter()
-    inputs, targets = bench._batch(_config(args), 0, step, device)
+    inputs, targets = bench._batch(_config(args), dist.get_rank(), step, device)
     out: dict[str, tuple[float, float]] = {}
     start_mib = torch.cuda.memory_allocated() / 2**20 if device.type == "cuda" else 0.0
 
@@ -179,9 +181,15 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.device == "cuda":
         torch.cuda.set_device(args.torch_device)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(bench._free_port()))
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    if "WORLD_SIZE" in os.environ:  # under torchrun: every rank steps, rank 0 reports
+        dist.init_process_group(backend)
+        if dist.get_rank() != 0:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+    else:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(bench._free_port()))
+        dist.init_process_group(backend, rank=0, world_size=1)
     try:
         for engine in args.engines.split(","):
             _profile_engine(engine, args)

@@ -135,9 +135,25 @@ class ReduceScatter(Op):
     def consume(self, piece: int, cells: list[torch.Tensor]) -> None:
         # This rank's own term first, then the others' in rank order: a fixed order, and on
         # 2 ranks the same bits as any other reduce-scatter (a + b == b + a).
+        # The own term and the first peer's in one pass where that gives the same bits:
+        # own + peer, or peer + own / p in float32 or float64 (addcdiv rounds the quotient,
+        # then the sum, as the two passes do; in a lower precision it would add the
+        # unrounded quotient).
         start, end = self.bounds(piece)
-        out = self.output[start:end]
-        self._divided(self.chunks[self.rank][start:end], out)
-        for source, cell in enumerate(cells):
-            if source != self.rank:
-                out.add_(self._sub_cell(cell, self.rank - (self.rank > source), end - start))
+        out, own = self.output[start:end], self.chunks[self.rank][start:end]
+        terms = [
+            self._sub_cell(cell, self.rank - (self.rank > source), end - start)
+            for source, cell in enumerate(cells)
+            if source != self.rank
+        ]
+        if out.dtype != own.dtype:
+            self._divided(own, out)
+        elif self.predivide == 1:
+            torch.add(own, terms.pop(0), out=out)
+        elif self.dtype in (torch.float32, torch.float64):
+            divisor = torch.tensor(self.predivide, dtype=self.dtype)
+            torch.addcdiv(terms.pop(0), own, divisor, out=out)
+        else:
+            self._divided(own, out)
+        for term in terms:
+            out.add_(term)
