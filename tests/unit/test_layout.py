@@ -200,3 +200,35 @@ def test_dim0_layout_refuses_scalars() -> None:
 
     with pytest.raises(ValueError, match="parameter s is 0-dimensional"):
         make_dim0_layout(["s"], [torch.Size([])], [True], 2)
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 4])
+@pytest.mark.parametrize("sharded", [True, False])
+def test_piece_views_are_the_slices_on_every_rank(num_shards: int, sharded: bool) -> None:
+    """``PieceViews`` (one split over the pieces and the padding between them) gives every
+    rank's pieces of parameters of 1, 6, 7 and 0 elements exactly what slicing gives, and
+    ``places`` their addresses and shapes without views."""
+    from fullshard._engine.piece_views import PieceViews
+
+    shapes = [torch.Size([1]), torch.Size([2, 3]), torch.Size([7]), torch.Size([0, 4])]
+    layout = make_layout(["a", "b", "c", "d"], shapes, [True] * 4, num_shards)
+    for rank in range(num_shards if sharded else 1):
+        views = PieceViews(layout, layout.shard_pieces(rank), sharded)
+        numel = layout.shard_numel if sharded else layout.padded_numel
+        flat = torch.arange(numel, dtype=torch.float32)
+        split, sliced = views.views(flat), views._sliced(flat)
+        assert [v.shape for v in split] == [v.shape for v in sliced]
+        assert all(torch.equal(a, b) for a, b in zip(split, sliced))
+        for view, place in zip(split, views.places(flat)):
+            assert place is not None and place[1] == view.shape
+            assert view.numel() == 0 or place[0] == view.data_ptr()
+        assert views.places(flat.expand(2, numel)[0].as_strided((numel,), (0,))) == [None] * 4
+
+
+def test_piece_split_keeps_gaps_and_refuses_overlaps() -> None:
+    """The split covers gaps (padding) between spans and after them; overlapping spans,
+    which no split gives, ask for slicing instead."""
+    from fullshard._engine.piece_views import _split
+
+    assert _split([(2, 3), None, (0, 1)], 9) == ([1, 1, 3, 4], [2, None, 0])
+    assert _split([(0, 4), (2, 4)], 8) == ([-1], [None, None])
