@@ -36,6 +36,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -520,19 +521,15 @@ def _run_rounds(args: argparse.Namespace) -> list[dict[str, list[dict[str, Any]]
     gathered: list[dict[str, list[dict[str, Any]]]] = [
         {label: [] for label, _, _ in args.runs} for _ in range(args.world_size)
     ]
-    saved = os.environ.get("FULLSHARD_SHM")
-    for _ in range(args.rounds):  # A B C ..., A B C ...: drift hits every engine alike
-        for label, engine, transport in args.runs:
-            os.environ["FULLSHARD_SHM"] = _TRANSPORTS[transport]  # the ranks inherit it
-            worker_args = (args, engine, _free_port(), out)
-            mp.spawn(_worker, args=worker_args, nprocs=args.world_size, join=True)
-            for rank, result in enumerate(json.loads(Path(out).read_text())):
-                gathered[rank][label].append(result)
-            os.remove(out)
-    if saved is None:
-        os.environ.pop("FULLSHARD_SHM", None)
-    else:
-        os.environ["FULLSHARD_SHM"] = saved
+    with mock.patch.dict(os.environ):  # the caller's FULLSHARD_SHM back, even on an error
+        for _ in range(args.rounds):  # A B C ..., A B C ...: drift hits every engine alike
+            for label, engine, transport in args.runs:
+                os.environ["FULLSHARD_SHM"] = _TRANSPORTS[transport]  # the ranks inherit it
+                worker_args = (args, engine, _free_port(), out)
+                mp.spawn(_worker, args=worker_args, nprocs=args.world_size, join=True)
+                for rank, result in enumerate(json.loads(Path(out).read_text())):
+                    gathered[rank][label].append(result)
+                os.remove(out)
     return gathered
 
 

@@ -587,3 +587,18 @@ def test_two_launchers_on_loopback_train_as_two_nodes(
     assert report["world_size"] == 2 and len(report["losses"]) == 24
     for got, want in zip(report["losses"], uninterrupted_losses):
         assert abs(got - want) <= 1e-5 * abs(want), (report["losses"], uninterrupted_losses)
+
+
+def test_bench_restores_fullshard_shm_when_a_run_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench sets FULLSHARD_SHM for each run's ranks; a run that fails (here: a config
+    its worker cannot find) leaves the caller's value as it was."""
+    from fullshard.cli import bench
+
+    monkeypatch.setenv("FULLSHARD_SHM", "the caller's")
+    args = argparse.Namespace(
+        world_size=1, rounds=1, runs=[("fullshard", "fullshard", "rings")], threads=1,
+        device="cpu", config="no-such-config",
+    )  # fmt: skip
+    with pytest.raises(Exception, match="no-such-config"):
+        bench._run_rounds(args)
+    assert os.environ["FULLSHARD_SHM"] == "the caller's"
