@@ -1,0 +1,360 @@
+"""Fuzzed models and ``fully_shard`` configurations against torch's own ``fully_shard``.
+
+Hypothesis draws module trees (odd and tiny widths, so some parameters have fewer rows
+than ranks; tied weights across units; frozen blocks and frozen single layers inside a
+unit; a block never called; a block called twice; norms) and configurations (which blocks
+get a unit of their own, ``reshard_after_forward`` as a bool or a group size, a
+``MixedPrecisionPolicy``, CPU offload, parameters sharded on dim 1, gradient accumulation
+with ``set_requires_gradient_sync(False)``, zeroing in place or to None, gradient clipping).
+Each example trains 3 SGD steps on gloo ranks with torch's engine, then with fullshard's,
+from the same initial weights: the losses, the final parameters and the last gradients
+(None where torch's is None) must agree, or both engines must raise the same error.
+
+CI runs FULLSHARD_FUZZ_EXAMPLES (default 60) examples on 2 ranks and a fifth as many on 3;
+``FULLSHARD_FUZZ_EXAMPLES=300 pytest tests/engine/test_fuzz_fully_shard.py`` runs longer.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from harness import run_on_ranks
+
+DIM = 6
+EXAMPLES = int(os.environ.get("FULLSHARD_FUZZ_EXAMPLES", "60"))
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A model: residual blocks of Linear layers around a LayerNorm, and a head."""
+
+    widths: tuple[int, ...]
+    tie: tuple[int, int] | None
+    """Block j's output layer uses block i's output weight (tied across units)."""
+    frozen_blocks: tuple[int, ...]
+    frozen_first_layer: tuple[int, ...]
+    """Blocks whose first Linear alone is frozen (a unit mixing frozen and trainable)."""
+    unused_block: bool
+    repeated: int | None
+    bias: bool
+    norm: bool
+    seed: int
+
+
+@dataclass(frozen=True)
+class Config:
+    units: tuple[int, ...]
+    """Blocks that get a ``fully_shard`` call of their own; the root always does."""
+    reshard_after_forward: bool | int
+    precision: str
+    """"none", "bf16" (reduce in fp32), "bf16-reduce" (reduce in bf16), "bf16-out" (fp32 output)."""
+    offload: bool
+    dim1: bool
+    """Weights with more columns than rows sharded on dim 1 (``shard_placement_fn``)."""
+    accumulate: bool
+    """Each step: a backward without gradient sync, then one with it."""
+    set_to_none: bool
+    clip: bool
+    optimizer: str
+    """"sgd" (momentum: gradients off by a factor show), "adam" or "adamw" (DTensor foreach)."""
+    eval_forward: bool
+    """A forward under ``no_grad`` before each step's backward."""
+    keep_after_backward: bool
+    """``set_reshard_after_backward(False)`` on every unit, and ``reshard()`` before each
+    optimizer step: torch's next forward would otherwise compute with the parameters of
+    before the step, where fullshard's gathers the stepped shard again (docs/conformance.md)."""
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, bias: bool, norm: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM) if norm else nn.Identity()
+        self.fc1 = nn.Linear(DIM, width, bias=bias)
+        self.fc2 = nn.Linear(width, DIM, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, tree: Tree) -> None:
+        super().__init__()
+        torch.manual_seed(tree.seed)
+        self.tree = tree
+        self.blocks = nn.ModuleList(Block(w, tree.bias, tree.norm) for w in tree.widths)
+        if tree.unused_block:
+            self.unused = Block(3, tree.bias, False)
+        if tree.tie is not None:
+            i, j = tree.tie
+            self.blocks[j].fc2.weight = self.blocks[i].fc2.weight
+        for index in tree.frozen_blocks:
+            self.blocks[index].requires_grad_(False)
+        for index in tree.frozen_first_layer:
+            self.blocks[index].fc1.requires_grad_(False)
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for index, block in enumerate(self.blocks):
+            x = block(x)
+            if index == self.tree.repeated:
+                x = block(x)
+        return self.head(x)
+
+
+@st.composite
+def trees(draw: st.DrawFn) -> Tree:
+    count = draw(st.integers(1, 3))
+    widths = draw(st.lists(st.sampled_from([1, 2, 3, 5, 8]), min_size=count, max_size=count))
+    tie = None
+    if count >= 2 and draw(st.booleans()):
+        i, j = sorted(
+            draw(st.lists(st.integers(0, count - 1), min_size=2, max_size=2, unique=True))
+        )
+        widths[j] = widths[i]
+        tie = (i, j)
+    frozen = set(draw(st.sets(st.integers(0, count - 1), max_size=count - 1)))
+    if tie is not None and (tie[0] in frozen) != (tie[1] in frozen):
+        frozen -= set(tie)  # a tied weight is frozen or not
+    first = draw(st.sets(st.integers(0, count - 1), max_size=count)) - frozen
+    return Tree(
+        tuple(widths),
+        tie,
+        tuple(sorted(frozen)),
+        tuple(sorted(first)),
+        draw(st.booleans()),
+        draw(st.one_of(st.none(), st.integers(0, count - 1))),
+        draw(st.booleans()),
+        draw(st.booleans()),
+        draw(st.integers(0, 2**16)),
+    )
+
+
+@st.composite
+def configs(draw: st.DrawFn, tree: Tree, world: int) -> Config:
+    count = len(tree.widths)
+    sizes = [k for k in range(1, world + 1) if world % k == 0]
+    return Config(
+        tuple(sorted(draw(st.sets(st.integers(0, count - 1), max_size=count)))),
+        draw(st.sampled_from([True, False, *sizes])),
+        draw(
+            st.sampled_from(
+                ["none", "bf16", "bf16-out"] + ["bf16-reduce"] * _bf16_reduce(world, tree)
+            )
+        ),
+        draw(st.booleans()),
+        draw(st.booleans()),
+        draw(st.booleans()),
+        draw(st.booleans()),
+        draw(st.booleans()),
+        draw(st.sampled_from(["sgd", "adam", "adamw"])),
+        draw(st.booleans()),
+        draw(st.booleans()),
+    )
+
+
+def _bf16_reduce(world: int, tree: Tree) -> bool:
+    """Whether to draw reductions in bf16, which round where the engine adds. Not over 3
+    ranks: gloo's ring sums in an order that differs by rank. Not for a block run twice in a
+    forward: there torch's own results differ by wrapping under gradient accumulation (the
+    block's unit of its own against the model's one unit: 0.8340 against 0.8359 in a
+    gradient after the first step), and fullshard's equal the second."""
+    return world == 2 and tree.repeated is None
+
+
+@st.composite
+def examples(draw: st.DrawFn, world: int) -> tuple[Tree, Config]:
+    tree = draw(trees())
+    return tree, draw(configs(tree, world))
+
+
+def _api(engine: str) -> Any:
+    if engine == "fullshard":
+        import fullshard as api
+    else:
+        import torch.distributed.fsdp as api  # type: ignore[no-redef]
+    return api
+
+
+def _kwargs(api: Any, config: Config, mesh: Any) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": config.reshard_after_forward}
+    policy = {
+        "bf16": dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        "bf16-reduce": dict(param_dtype=torch.bfloat16),
+        "bf16-out": dict(param_dtype=torch.bfloat16, output_dtype=torch.float32),
+    }.get(config.precision)
+    if policy is not None:
+        kwargs["mp_policy"] = api.MixedPrecisionPolicy(**policy)
+    if config.offload:
+        kwargs["offload_policy"] = api.CPUOffloadPolicy(pin_memory=False)
+    if config.dim1:
+        kwargs["shard_placement_fn"] = _dim1_when_wider
+    return kwargs
+
+
+def _dim1_when_wider(param: nn.Parameter) -> Shard | None:
+    return Shard(1) if param.ndim == 2 and param.shape[1] > param.shape[0] else None
+
+
+def _input(step: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * dist.get_rank() + step)
+    return torch.randn(4, DIM, generator=generator)
+
+
+def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    if tensor is None:
+        return None
+    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return full.detach().float().clone()
+
+
+def _train(engine: str, tree: Tree, config: Config) -> dict[str, Any]:
+    """Losses, final parameters and last gradients, or the error the engine raised."""
+    api = _api(engine)
+    model = Net(tree)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    try:
+        kwargs = _kwargs(api, config, mesh)
+        for index in config.units:
+            api.fully_shard(model.blocks[index], **kwargs)
+        api.fully_shard(model, **kwargs)
+        if config.keep_after_backward:
+            model.set_reshard_after_backward(False)
+        optim = _optimizer(config.optimizer, model)
+        losses, grads = [], {}
+        for step in range(3):
+            if config.eval_forward:
+                with torch.no_grad():
+                    losses.append(model(_input(100 + step)).float().pow(2).mean().item())
+            micro = (False, True) if config.accumulate else (True,)
+            for k, sync in enumerate(micro):
+                model.set_requires_gradient_sync(sync)
+                loss = (model(_input(2 * step + k)).float() ** 2).mean()
+                loss.backward()
+                losses.append(loss.item())
+            if config.keep_after_backward:
+                for module in model.modules():
+                    if isinstance(module, api.FSDPModule):
+                        module.reshard()
+            if config.clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            grads = {name: _full(p.grad) for name, p in model.named_parameters()}
+            optim.step()
+            optim.zero_grad(set_to_none=config.set_to_none)
+        state = {name: _full(value) for name, value in model.state_dict().items()}
+    except Exception as error:  # noqa: BLE001: the outcome compared with torch's
+        return {"error": f"{type(error).__name__}: {error}"}
+    params = {name: _full(p) for name, p in model.named_parameters()}
+    return {"losses": losses, "params": params, "grads": grads, "state": state}
+
+
+def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(model.parameters(), lr=0.01)
+    return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+
+
+def _masked(error: str) -> str:
+    return re.sub(r"'[^']*'", "'*'", error)
+
+
+def _same_error(ours: str | None, theirs: str | None) -> bool:
+    """Both None, or fullshard's text torch's with more after it (where and how to fix),
+    names left out: fullshard refuses a tie broken across units at the ``fully_shard``
+    call, naming the parameter where it finds it, torch at the first forward, naming the
+    other end of the tie."""
+    if ours is None or theirs is None:
+        return ours is theirs
+    return _masked(ours).startswith(_masked(theirs).rstrip("."))
+
+
+def _compare(tree: Tree, config: Config) -> str:
+    theirs = _train("torch", tree, config)
+    ours = _train("fullshard", tree, config)
+    if "error" in theirs or "error" in ours:
+        assert _same_error(ours.get("error"), theirs.get("error")), (theirs, ours)
+        return "error: " + _masked(theirs.get("error", ours.get("error", "")))[:60]
+    # bf16 compute: a parameter's bf16 copy rounds the same unless an fp32 reduction's
+    # order (the transport's) moved its last bit, and three momentum steps grow that: the
+    # tolerance is a fraction of the largest value of each kind.
+    rel = 1e-5 if config.precision == "none" else 2e-2
+    assert ours["losses"] == pytest.approx(theirs["losses"], rel=rel, abs=rel / 10), (
+        ours["losses"],
+        theirs["losses"],
+    )
+    for kind in ("params", "grads", "state"):
+        assert ours[kind].keys() == theirs[kind].keys(), kind
+        present = [value for value in theirs[kind].values() if value is not None]
+        scale = max((float(value.abs().max()) for value in present), default=1.0)
+        for name, expected in theirs[kind].items():
+            got = ours[kind][name]
+            assert (got is None) == (expected is None), f"{kind} {name}: {got} vs {expected}"
+            if expected is not None:
+                torch.testing.assert_close(
+                    got, expected, rtol=rel, atol=rel * scale / 10, msg=f"{kind} {name}"
+                )
+    return "ok"
+
+
+def _fuzz_settings(count: int) -> Any:
+    return settings(
+        max_examples=count,
+        deadline=None,
+        print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+
+
+@_fuzz_settings(EXAMPLES)
+@given(example=examples(2))
+def test_fuzzed_fully_shard_trains_as_torchs_on_two_ranks(example: tuple[Tree, Config]) -> None:
+    outcome = run_on_ranks(2, _compare, *example, timeout=120)
+    assert outcome[0] == outcome[1], outcome
+    event(outcome[0])
+
+
+@_fuzz_settings(max(1, EXAMPLES // 5))
+@given(example=examples(3))
+def test_fuzzed_fully_shard_trains_as_torchs_on_three_ranks(example: tuple[Tree, Config]) -> None:
+    outcome = run_on_ranks(3, _compare, *example, timeout=120)
+    assert outcome[0] == outcome[1], outcome
+    event(outcome[0])
+
+
+def test_fuzz_sees_a_broken_engine() -> None:
+    """The comparison can fail: with fullshard's reduce-scatter dividing by twice the
+    factor (gradients halved, as a wrong divisor would leave them), a one-block example
+    no longer agrees with torch's."""
+    tree = Tree((5,), None, (), (), False, None, True, False, 0)
+    config = Config((), True, "none", False, False, False, True, False, "sgd", False, False)
+    assert run_on_ranks(2, _compare, tree, config, timeout=120) == ["ok", "ok"]
+    with pytest.raises(Exception, match=r"(?i)approx|not close|mismatch"):
+        run_on_ranks(2, _compare_with_halved_gradients, tree, config, timeout=120)
+
+
+def _compare_with_halved_gradients(tree: Tree, config: Config) -> str:
+    from fullshard._comm import collectives
+
+    original = collectives.reduce_scatter_into
+
+    def halved(*args: Any, predivide: float = 1.0, **kwargs: Any) -> Any:
+        return original(*args, predivide=2 * predivide, **kwargs)
+
+    collectives.reduce_scatter_into = halved  # type: ignore[assignment]
+    try:
+        return _compare(tree, config)
+    finally:
+        collectives.reduce_scatter_into = original
