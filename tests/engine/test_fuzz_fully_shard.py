@@ -71,6 +71,11 @@ class Config:
     """"sgd" (momentum: gradients off by a factor show), "adam" or "adamw" (DTensor foreach)."""
     eval_forward: bool
     """A forward under ``no_grad`` before each step's backward."""
+    group_tied: bool
+    """Tied blocks that both get units share one call, ``fully_shard([block_i, block_j])``."""
+    ignore_head_bias: bool
+    """The head's bias in the root call's ``ignored_params``: local, neither sharded nor
+    reduced."""
     keep_after_backward: bool
     """``set_reshard_after_backward(False)`` on every unit, and ``reshard()`` before each
     optimizer step: torch's next forward would otherwise compute with the parameters of
@@ -144,7 +149,8 @@ def trees(draw: st.DrawFn) -> Tree:
 @st.composite
 def configs(draw: st.DrawFn, tree: Tree, world: int) -> Config:
     count = len(tree.widths)
-    sizes = [k for k in range(1, world + 1) if world % k == 0]
+    shard = _shard_size(world)
+    sizes = [k for k in range(1, shard + 1) if shard % k == 0]
     return Config(
         tuple(sorted(draw(st.sets(st.integers(0, count - 1), max_size=count)))),
         draw(st.sampled_from([True, False, *sizes])),
@@ -161,6 +167,8 @@ def configs(draw: st.DrawFn, tree: Tree, world: int) -> Config:
         draw(st.sampled_from(["sgd", "adam", "adamw"])),
         draw(st.booleans()),
         draw(st.booleans()),
+        draw(st.booleans()),
+        draw(st.booleans()),
     )
 
 
@@ -170,7 +178,12 @@ def _bf16_reduce(world: int, tree: Tree) -> bool:
     forward: there torch's own results differ by wrapping under gradient accumulation (the
     block's unit of its own against the model's one unit: 0.8340 against 0.8359 in a
     gradient after the first step), and fullshard's equal the second."""
-    return world == 2 and tree.repeated is None
+    return _shard_size(world) == 2 and tree.repeated is None
+
+
+def _shard_size(world: int) -> int:
+    """4 ranks are a 2 x 2 HSDP mesh (replicate, shard)."""
+    return 2 if world == 4 else world
 
 
 @st.composite
@@ -223,12 +236,13 @@ def _train(engine: str, tree: Tree, config: Config) -> dict[str, Any]:
     """Losses, final parameters and last gradients, or the error the engine raised."""
     api = _api(engine)
     model = Net(tree)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    world = dist.get_world_size()
+    if world == 4:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     try:
-        kwargs = _kwargs(api, config, mesh)
-        for index in config.units:
-            api.fully_shard(model.blocks[index], **kwargs)
-        api.fully_shard(model, **kwargs)
+        _shard_model(api, model, config, mesh)
         if config.keep_after_backward:
             model.set_reshard_after_backward(False)
         optim = _optimizer(config.optimizer, model)
@@ -257,6 +271,20 @@ def _train(engine: str, tree: Tree, config: Config) -> dict[str, Any]:
         return {"error": f"{type(error).__name__}: {error}"}
     params = {name: _full(p) for name, p in model.named_parameters()}
     return {"losses": losses, "params": params, "grads": grads, "state": state}
+
+
+def _shard_model(api: Any, model: Net, config: Config, mesh: Any) -> None:
+    kwargs = _kwargs(api, config, mesh)
+    units: list[Any] = [model.blocks[index] for index in config.units]
+    tie = model.tree.tie
+    if config.group_tied and tie is not None and set(tie) <= set(config.units):
+        units = [unit for index, unit in zip(config.units, units) if index not in tie]
+        units.append([model.blocks[index] for index in tie])
+    for unit in units:
+        api.fully_shard(unit, **kwargs)
+    if config.ignore_head_bias:
+        kwargs["ignored_params"] = {model.head.bias}
+    api.fully_shard(model, **kwargs)
 
 
 def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
@@ -334,12 +362,24 @@ def test_fuzzed_fully_shard_trains_as_torchs_on_three_ranks(example: tuple[Tree,
     event(outcome[0])
 
 
+@_fuzz_settings(max(1, EXAMPLES // 10))
+@given(example=examples(4))
+def test_fuzzed_fully_shard_trains_as_torchs_on_a_2x2_hsdp_mesh(
+    example: tuple[Tree, Config],
+) -> None:
+    outcome = run_on_ranks(4, _compare, *example, timeout=180)
+    assert len(set(outcome)) == 1, outcome
+    event(outcome[0])
+
+
 def test_fuzz_sees_a_broken_engine() -> None:
     """The comparison can fail: with fullshard's reduce-scatter dividing by twice the
     factor (gradients halved, as a wrong divisor would leave them), a one-block example
     no longer agrees with torch's."""
     tree = Tree((5,), None, (), (), False, None, True, False, 0)
-    config = Config((), True, "none", False, False, False, True, False, "sgd", False, False)
+    config = Config(
+        (), True, "none", False, False, False, True, False, "sgd", False, False, False, False
+    )
     assert run_on_ranks(2, _compare, tree, config, timeout=120) == ["ok", "ok"]
     with pytest.raises(Exception, match=r"(?i)approx|not close|mismatch"):
         run_on_ranks(2, _compare_with_halved_gradients, tree, config, timeout=120)
