@@ -267,6 +267,7 @@ def _train(engine: str, tree: Tree, config: Config) -> dict[str, Any]:
             optim.step()
             optim.zero_grad(set_to_none=config.set_to_none)
         state = {name: _full(value) for name, value in model.state_dict().items()}
+        state.update(_optimizer_state(model, optim))
     except Exception as error:  # noqa: BLE001: the outcome compared with torch's
         return {"error": f"{type(error).__name__}: {error}"}
     params = {name: _full(p) for name, p in model.named_parameters()}
@@ -285,6 +286,25 @@ def _shard_model(api: Any, model: Net, config: Config, mesh: Any) -> None:
     if config.ignore_head_bias:
         kwargs["ignored_params"] = {model.head.bias}
     api.fully_shard(model, **kwargs)
+
+
+def _optimizer_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """torch's ``get_optimizer_state_dict``, full and sharded, flattened to name -> tensor."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    flat: dict[str, Any] = {}
+    for full in (True, False):
+        options = StateDictOptions(full_state_dict=full, cpu_offload=full)
+        state = get_optimizer_state_dict(model, optim, options=options)
+        # full_state_dict with cpu_offload: rank 0's dict; the others' are empty
+        for name, values in state.get("state", {}).items():
+            for key, value in values.items():
+                if isinstance(value, torch.Tensor):
+                    flat[f"optim full={full} {name} {key}"] = _full(value)
+        flat[f"optim full={full} groups"] = torch.tensor(
+            [len(group["params"]) for group in state.get("param_groups", [])], dtype=torch.float
+        )
+    return flat
 
 
 def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
@@ -326,7 +346,7 @@ def _compare(tree: Tree, config: Config) -> str:
     for kind in ("params", "grads", "state"):
         assert ours[kind].keys() == theirs[kind].keys(), kind
         present = [value for value in theirs[kind].values() if value is not None]
-        scale = max((float(value.abs().max()) for value in present), default=1.0)
+        scale = max((float(v.abs().max()) for v in present if v.numel()), default=1.0)
         for name, expected in theirs[kind].items():
             got = ours[kind][name]
             assert (got is None) == (expected is None), f"{kind} {name}: {got} vs {expected}"
