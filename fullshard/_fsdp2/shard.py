@@ -93,10 +93,11 @@ def fully_shard(
     _check_mesh(mesh)
     for member in members:
         _check_not_applied(member)
-        _check_ties_kept(member)
         _check_params(member, ignored_params)
     target = members[0] if len(members) == 1 else _Group(members)
     groups = param_groups(target, mesh, shard_placement_fn, ignored_params)
+    for member in members:  # after the call's own checks: torch finds a tie at first forward
+        _check_ties_kept(member)
     watch_optimizers()
     units = _build_units(
         members, target, groups, reshard_after_forward, mp_policy, offload_policy, ignored_params
