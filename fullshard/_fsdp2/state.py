@@ -9,6 +9,7 @@ before the first of its modules runs forward, resharded after the last.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -42,7 +43,7 @@ STATE_ATTR = "_fullshard_state"
 ``__dict__``; the engine's registry holds units weakly, so the module must keep it alive)."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class ShardedModule:
     """What ``fully_shard`` keeps on the module it was applied to (whose class is now ours):
     its unit (the engine's registry holds units weakly) and the FSDP2 options the engine's
@@ -73,6 +74,7 @@ class ShardedModule:
         self.input_dtypes.clear()
         self.yet_to_run.clear()
         self.started.clear()
+        OPEN_GROUPS.discard(self)
 
 
 def state_of(module: nn.Module) -> ShardedModule:
@@ -83,6 +85,10 @@ def state_of(module: nn.Module) -> ShardedModule:
 # -- hooks ---------------------------------------------------------------------------------
 
 
+OPEN_GROUPS: weakref.WeakSet[ShardedModule] = weakref.WeakSet()
+"""Groups whose forward began and has not reached its last module (see `post_forward`)."""
+
+
 def pre_forward(state: ShardedModule, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
     if len(state.members) > 1:
         if state.yet_to_run and module not in state.started:
@@ -91,6 +97,7 @@ def pre_forward(state: ShardedModule, module: nn.Module, args: Any, kwargs: Any)
         if state.yet_to_run:  # this module again before the group's end: a forward raised
             state.input_dtypes.clear()
         state.yet_to_run, state.started = list(state.members), [module]
+        OPEN_GROUPS.add(state)
     return enter(state, module, args, kwargs)
 
 
@@ -101,7 +108,26 @@ def post_forward(
         state.yet_to_run = [m for m in state.yet_to_run if m is not module]
         if state.yet_to_run:  # resharded after the group's last module
             return output
+        OPEN_GROUPS.discard(state)
+    if state.unit.runtime.is_root:
+        output = _close_open_groups(state, output)
     return leave(state, args, kwargs, output)
+
+
+def _close_open_groups(root: ShardedModule, output: Any) -> Any:
+    """At the end of the root's forward, the post-forward of each group whose forward began
+    but did not reach every module (one of them ran again after the group's end, or one
+    never ran), as torch's ``_force_complete_incomplete_states``: its pre-backward then
+    hangs on the root's output, and the next forward starts the group afresh instead of
+    taking its first module for a later one of the unfinished forward, which would run on
+    the sharded parameters."""
+    root_state = root.unit.runtime.root_state
+    for group in [g for g in OPEN_GROUPS if g.unit.runtime.root_state is root_state]:
+        OPEN_GROUPS.discard(group)
+        group.yet_to_run.clear()
+        group.started.clear()
+        output = leave(group, (), {}, output)
+    return output
 
 
 def enter(state: ShardedModule, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
