@@ -83,7 +83,6 @@ def before_forward(
     if runtime.is_root is None:
         lazy_init(unit)
     full_precision = unit.forces_full_precision()
-    mixed_precision = unit.mixed_precision
     if unit.handle is not None:
         unit.handle.materialize_assigned_params()
         init.check_on_compute_device(
@@ -95,14 +94,7 @@ def before_forward(
     if runtime.is_root:
         args, kwargs = _to_compute_device(unit.compute_device, args, kwargs)
         _cast_buffers(unit, full_precision)
-    if mixed_precision is not None and not full_precision:
-        cast_inputs = (
-            mixed_precision.cast_root_forward_inputs
-            if runtime.is_root
-            else mixed_precision.cast_forward_inputs
-        )
-        if cast_inputs and mixed_precision.param_dtype is not None:
-            args, kwargs = cast_floating(mixed_precision.param_dtype, (args, kwargs))
+    args, kwargs = cast_inputs(unit, args, kwargs)
     input_dtype = None
     if unit.upcasts_for_class:
         input_dtype = _first_floating_dtype((args, kwargs))
@@ -117,6 +109,25 @@ def after_forward(unit: Unit, output: Any, input_dtype: torch.dtype | None, inpu
     if input_dtype is not None:
         output = cast_floating(input_dtype, output)
     return unit.runtime.post_forward(output, inputs)
+
+
+def cast_inputs(unit: Unit, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """The inputs in the policy's ``param_dtype`` where it casts them (the root's by
+    ``cast_root_forward_inputs``, the others' by ``cast_forward_inputs``). Also each later
+    module of a group (``fully_shard([a, b])``), as torch 2.13 casts every module's."""
+    mixed_precision = unit.mixed_precision
+    if mixed_precision is None or mixed_precision.param_dtype is None:
+        return args, kwargs
+    if unit.forces_full_precision():
+        return args, kwargs
+    if unit.runtime.is_root:
+        cast = mixed_precision.cast_root_forward_inputs
+    else:
+        cast = mixed_precision.cast_forward_inputs
+    if not cast:
+        return args, kwargs
+    cast_args, cast_kwargs = cast_floating(mixed_precision.param_dtype, (args, kwargs))
+    return cast_args, cast_kwargs
 
 
 def forward_in_summon(unit: Unit, fn: Any, args: Any, kwargs: Any) -> Any:

@@ -90,10 +90,10 @@ OPEN_GROUPS: weakref.WeakSet[ShardedModule] = weakref.WeakSet()
 
 
 def pre_forward(state: ShardedModule, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-    if len(state.members) > 1:
+    if _tracks_group_forward(state):
         if state.yet_to_run and module not in state.started:
             state.started.append(module)  # the group's forward began at an earlier module
-            return args, kwargs
+            return _forward.cast_inputs(state.unit, args, kwargs)
         if state.yet_to_run:  # this module again before the group's end: a forward raised
             state.input_dtypes.clear()
         state.yet_to_run, state.started = list(state.members), [module]
@@ -104,14 +104,25 @@ def pre_forward(state: ShardedModule, module: nn.Module, args: Any, kwargs: Any)
 def post_forward(
     state: ShardedModule, module: nn.Module, args: Any, kwargs: Any, output: Any
 ) -> Any:
-    if len(state.members) > 1:
+    if _tracks_group_forward(state):
         state.yet_to_run = [m for m in state.yet_to_run if m is not module]
         if state.yet_to_run:  # resharded after the group's last module
+            if state.output_dtype is not None:  # each module's output, as torch 2.13's
+                output = _forward.cast_floating(state.output_dtype, output)
             return output
         OPEN_GROUPS.discard(state)
     if state.unit.runtime.is_root:
         output = _close_open_groups(state, output)
     return leave(state, args, kwargs, output)
+
+
+def _tracks_group_forward(state: ShardedModule) -> bool:
+    """A group outside backward. A recomputation in backward (activation checkpointing)
+    gathers for each of its modules and may stop before the last one's post-forward, so it
+    leaves the group's forward alone, as torch's hooks do in backward: tracking it would
+    leave the group open, and the next step would take its first module for a later one of
+    that recomputation (and run it on the sharded parameters)."""
+    return len(state.members) > 1 and not state.unit.runtime.in_backward()
 
 
 def _close_open_groups(root: ShardedModule, output: Any) -> Any:

@@ -109,7 +109,9 @@ class Tree(nn.Module):
 @st.composite
 def tree_specs(draw: st.DrawFn) -> TreeSpec:
     num_blocks = draw(st.integers(1, 4))
-    widths = draw(st.lists(st.sampled_from([4, 8, 12]), min_size=num_blocks, max_size=num_blocks))
+    widths = draw(
+        st.lists(st.sampled_from([1, 3, 4, 8, 12]), min_size=num_blocks, max_size=num_blocks)
+    )
     depths = draw(st.lists(st.integers(2, 3), min_size=num_blocks, max_size=num_blocks))
     tie = None
     if num_blocks >= 2 and draw(st.booleans()):

@@ -14,6 +14,7 @@ dtype inside its flat parameter and fullshard does not (docs/conformance.md).
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -56,7 +57,7 @@ def _wrap(engine: str, model: nn.Module, config: ConfigSpec) -> nn.Module:
     if config.wrap == "blocks":
         policy = wrap.ModuleWrapPolicy({Block})
     elif config.wrap == "size":
-        policy = wrap.CustomPolicy(lambda module: sum(p.numel() for p in module.parameters()) >= 60)
+        policy = functools.partial(wrap.size_based_auto_wrap_policy, min_num_params=60)
     precision = api.MixedPrecision(param_dtype=torch.float16) if config.mixed_precision else None
     return api.FullyShardedDataParallel(
         model,
@@ -147,4 +148,20 @@ def test_fuzzed_fsdp1_door_trains_as_torchs_fsdp1(tree: TreeSpec, config: Config
     assume(tree.tie is None or config.wrap == "none")
     outcome = run_on_ranks(2, _compare, tree, config, timeout=120)
     assert outcome[0] == outcome[1], outcome
+    event(outcome[0])
+
+
+@settings(
+    max_examples=max(1, EXAMPLES // 4),
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(tree=tree_specs(), config=configs)
+def test_fuzzed_fsdp1_door_trains_as_torchs_fsdp1_on_three_ranks(
+    tree: TreeSpec, config: ConfigSpec
+) -> None:
+    assume(tree.tie is None or config.wrap == "none")
+    outcome = run_on_ranks(3, _compare, tree, config, timeout=120)
+    assert len(set(outcome)) == 1, outcome
     event(outcome[0])

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils.checkpoint import checkpoint
 
 from harness import run_on_ranks
 
@@ -51,6 +52,9 @@ class Tree:
     bias: bool
     norm: bool
     seed: int
+    checkpointed: tuple[int, ...] = ()
+    """Blocks whose forward runs under ``torch.utils.checkpoint`` (non-reentrant): recomputed
+    in backward, with the unit's parameters gathered again."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,8 @@ class Config:
     """``set_reshard_after_backward(False)`` on every unit, and ``reshard()`` before each
     optimizer step: torch's next forward would otherwise compute with the parameters of
     before the step, where fullshard's gathers the stepped shard again (docs/conformance.md)."""
+    double_forward: bool = False
+    """Each backward is of the sum of two forwards' losses."""
 
 
 class Block(nn.Module):
@@ -112,9 +118,11 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for index, block in enumerate(self.blocks):
-            x = block(x)
-            if index == self.tree.repeated:
-                x = block(x)
+            for _ in range(2 if index == self.tree.repeated else 1):
+                if index in self.tree.checkpointed:
+                    x = checkpoint(block, x, use_reentrant=False)
+                else:
+                    x = block(x)
         return self.head(x)
 
 
@@ -143,6 +151,7 @@ def trees(draw: st.DrawFn) -> Tree:
         draw(st.booleans()),
         draw(st.booleans()),
         draw(st.integers(0, 2**16)),
+        tuple(sorted(draw(st.sets(st.integers(0, count - 1), max_size=count)))),
     )
 
 
@@ -151,24 +160,25 @@ def configs(draw: st.DrawFn, tree: Tree, world: int) -> Config:
     count = len(tree.widths)
     shard = _shard_size(world)
     sizes = [k for k in range(1, shard + 1) if shard % k == 0]
+    precisions = ["none", "bf16", "bf16-out"] + ["bf16-reduce"] * _bf16_reduce(world, tree)
+    precision = draw(st.sampled_from(precisions))
+    flags = [draw(st.booleans()) for _ in range(5)]
+    optimizer = draw(st.sampled_from(["sgd", "adam", "adamw"]))
+    eval_forward, group_tied, ignore_bias, keep, double = [draw(st.booleans()) for _ in range(5)]
+    # an ignored fp32 bias meets bf16 activations in the head: both engines raise, so only
+    # drawn where it trains
+    ignore_bias = ignore_bias and precision == "none"
     return Config(
         tuple(sorted(draw(st.sets(st.integers(0, count - 1), max_size=count)))),
         draw(st.sampled_from([True, False, *sizes])),
-        draw(
-            st.sampled_from(
-                ["none", "bf16", "bf16-out"] + ["bf16-reduce"] * _bf16_reduce(world, tree)
-            )
-        ),
-        draw(st.booleans()),
-        draw(st.booleans()),
-        draw(st.booleans()),
-        draw(st.booleans()),
-        draw(st.booleans()),
-        draw(st.sampled_from(["sgd", "adam", "adamw"])),
-        draw(st.booleans()),
-        draw(st.booleans()),
-        draw(st.booleans()),
-        draw(st.booleans()),
+        precision,
+        *flags,
+        optimizer,
+        eval_forward,
+        group_tied,
+        ignore_bias,
+        keep,
+        double,
     )
 
 
@@ -257,6 +267,8 @@ def _train(engine: str, tree: Tree, config: Config) -> dict[str, Any]:
             for k, sync in enumerate(micro):
                 model.set_requires_gradient_sync(sync)
                 loss = (model(_input(2 * step + k)).float() ** 2).mean()
+                if config.double_forward:
+                    loss = loss + (model(_input(50 + 2 * step + k)).float() ** 2).mean()
                 loss.backward()
                 losses.append(loss.item())
             if config.keep_after_backward:
@@ -311,7 +323,7 @@ def _optimizer_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str
 
 def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     if name == "adam":
         return torch.optim.Adam(model.parameters(), lr=0.01)
     return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
@@ -339,8 +351,10 @@ def _compare(tree: Tree, config: Config) -> str:
         return "error: " + _masked(theirs.get("error", ours.get("error", "")))[:60]
     # bf16 compute: a parameter's bf16 copy rounds the same unless an fp32 reduction's
     # order (the transport's) moved its last bit, and three momentum steps grow that: the
-    # tolerance is a fraction of the largest value of each kind.
+    # tolerance is a fraction of the largest value of each kind (1% in bf16: a gradient off
+    # by a factor, the failure that matters, moves values by far more).
     rel = 1e-5 if config.precision == "none" else 2e-2
+    share = 0.1 if config.precision == "none" else 0.5
     assert ours["losses"] == pytest.approx(theirs["losses"], rel=rel, abs=rel / 10), (
         ours["losses"],
         theirs["losses"],
@@ -354,7 +368,7 @@ def _compare(tree: Tree, config: Config) -> str:
             assert (got is None) == (expected is None), f"{kind} {name}: {got} vs {expected}"
             if expected is not None:
                 torch.testing.assert_close(
-                    got, expected, rtol=rel, atol=rel * scale / 10, msg=f"{kind} {name}"
+                    got, expected, rtol=rel, atol=rel * scale * share, msg=f"{kind} {name}"
                 )
     return "ok"
 
@@ -381,9 +395,21 @@ the next step took block 0 for a later module of that forward and ran it on the 
 parameters ("got mixed torch.Tensor and DTensor")."""
 
 
+_GROUP_RECOMPUTED = (
+    Tree((1, 1, 1), (0, 2), (), (), False, None, False, False, 0, (2,)),
+    Config(
+        (0, 1, 2), True, "none", False, False, False, False, False, "sgd", False, True, False, False
+    ),
+)
+"""Tied blocks 0 and 2 in one call, block 2 under activation checkpointing: its
+recomputation in backward ran the group's forward hooks and left the group open, with the
+same failure at the next step as `_GROUP_RUN_AGAIN`'s."""
+
+
 @_fuzz_settings(EXAMPLES)
 @given(example=examples(2))
 @example(example=_GROUP_RUN_AGAIN)
+@example(example=_GROUP_RECOMPUTED)
 def test_fuzzed_fully_shard_trains_as_torchs_on_two_ranks(example: tuple[Tree, Config]) -> None:
     outcome = run_on_ranks(2, _compare, *example, timeout=120)
     assert outcome[0] == outcome[1], outcome
@@ -444,3 +470,55 @@ def _compare_with_halved_gradients(tree: Tree, config: Config) -> str:
         return _compare(tree, config)
     finally:
         collectives.reduce_scatter_into = original
+
+
+class _Sandwich(nn.Module):
+    """Two layers in one ``fully_shard`` call around a layer of its own: the group's second
+    layer gets the middle unit's fp32 output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.middle, self.last = (nn.Linear(DIM, DIM) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        a = self.first(x)
+        b = self.middle(a)
+        return [a, b, self.last(b)]
+
+
+def _group_casts(engine: str) -> tuple[list[str], list[float], dict[str, Any]]:
+    api = _api(engine)
+    model = _Sandwich()
+    policy = api.MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    api.fully_shard(model.middle, mesh=mesh, mp_policy=policy)
+    api.fully_shard([model.first, model.last], mesh=mesh, mp_policy=policy)
+    api.fully_shard(model, mesh=mesh, mp_policy=policy)
+    optim = torch.optim.SGD(model.parameters(), lr=0.05)
+    dtypes, losses = [], []
+    for step in range(3):
+        outputs = model(_input(step))
+        dtypes = [str(output.dtype) for output in outputs]
+        loss = outputs[-1].float().pow(2).mean()
+        loss.backward()
+        losses.append(loss.item())
+        optim.step()
+        optim.zero_grad()
+    return dtypes, losses, {name: _full(p) for name, p in model.named_parameters()}
+
+
+def _compare_group_casts() -> None:
+    ours, theirs = _group_casts("fullshard"), _group_casts("torch")
+    assert ours[0] == theirs[0] == ["torch.float32"] * 3, (ours[0], theirs[0])
+    assert ours[1] == pytest.approx(theirs[1], rel=1e-3), (ours[1], theirs[1])
+    for name, value in theirs[2].items():
+        torch.testing.assert_close(ours[2][name], value, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_each_module_of_a_group_casts_its_inputs_and_output_as_torchs() -> None:
+    """torch 2.13 casts every module of a group's inputs to ``param_dtype`` and its output to
+    ``output_dtype``; fullshard cast only the group's first module's inputs and last one's
+    output, so the second layer met the middle unit's fp32 output with bf16 weights
+    ("expected m1 and m2 to have the same dtype") and the first layer's output stayed bf16."""
+    run_on_ranks(2, _compare_group_casts)
