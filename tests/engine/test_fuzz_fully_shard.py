@@ -86,6 +86,8 @@ class Config:
     before the step, where fullshard's gathers the stepped shard again (docs/conformance.md)."""
     double_forward: bool = False
     """Each backward is of the sum of two forwards' losses."""
+    torch_policies: bool = False
+    """fullshard is given torch's own ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy``."""
 
 
 class Block(nn.Module):
@@ -179,6 +181,7 @@ def configs(draw: st.DrawFn, tree: Tree, world: int) -> Config:
         ignore_bias,
         keep,
         double,
+        draw(st.booleans()),
     )
 
 
@@ -219,10 +222,11 @@ def _kwargs(api: Any, config: Config, mesh: Any) -> dict[str, Any]:
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
         ),
     }.get(config.precision)
+    policies = _api("torch") if config.torch_policies else api
     if policy is not None:
-        kwargs["mp_policy"] = api.MixedPrecisionPolicy(**policy)
+        kwargs["mp_policy"] = policies.MixedPrecisionPolicy(**policy)
     if config.offload:
-        kwargs["offload_policy"] = api.CPUOffloadPolicy(pin_memory=False)
+        kwargs["offload_policy"] = policies.CPUOffloadPolicy(pin_memory=False)
     if config.dim1:
         kwargs["shard_placement_fn"] = _dim1_when_wider
     return kwargs
