@@ -110,6 +110,7 @@ class ReduceScatter(Op):
         self.output, self.rank, self.num_ranks = output, rank, num_ranks
         self.cells_per_rank = num_ranks - 1
         self.predivide, self.full_numel = predivide, full.numel()
+        self.divisor = torch.tensor(predivide, dtype=full.dtype)  # addcdiv's, made once
         self.chunks = full.chunk(num_ranks)  # (output numel,) each
 
     def _sub_cell(self, cell: torch.Tensor, index: int, length: int) -> torch.Tensor:
@@ -151,8 +152,7 @@ class ReduceScatter(Op):
         elif self.predivide == 1:
             torch.add(own, terms.pop(0), out=out)
         elif self.dtype in (torch.float32, torch.float64):
-            divisor = torch.tensor(self.predivide, dtype=self.dtype)
-            torch.addcdiv(terms.pop(0), own, divisor, out=out)
+            torch.addcdiv(terms.pop(0), own, self.divisor, out=out)
         else:
             self._divided(own, out)
         for term in terms:

@@ -123,6 +123,7 @@ def _writes_back_after_fast_reshards(door: str) -> None:
 
 @pytest.mark.parametrize("door", ["FULL_SHARD/orig", "fully_shard"])
 def test_a_piece_replaced_after_fast_reshards_is_written_back(door: str) -> None:
-    """A parameter given a new local tensor or ``.data`` after reshards that skipped every
-    parameter is still found and written back into the shard at the next gather."""
+    """A parameter given new ``.data`` (FSDP1 door) or replaced by a new DTensor parameter
+    (``fully_shard``) after reshards that skipped every parameter is still found and written
+    back into the shard at the next gather."""
     run_on_ranks(3, _writes_back_after_fast_reshards, door)
