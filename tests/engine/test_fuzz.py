@@ -136,14 +136,18 @@ def tree_specs(draw: st.DrawFn) -> TreeSpec:
     )
 
 
-config_specs = st.builds(
-    ConfigSpec,
-    strategy=st.sampled_from(["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]),
-    use_orig_params=st.booleans(),
-    wrap=st.sampled_from(["none", "blocks", "size"]),
-    mixed_precision=st.booleans(),
-    offload=st.booleans(),
-)
+def config_specs_with(offload: st.SearchStrategy[bool]) -> st.SearchStrategy[ConfigSpec]:
+    return st.builds(
+        ConfigSpec,
+        strategy=st.sampled_from(["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]),
+        use_orig_params=st.booleans(),
+        wrap=st.sampled_from(["none", "blocks", "size"]),
+        mixed_precision=st.booleans(),
+        offload=offload,
+    )
+
+
+config_specs = config_specs_with(st.booleans())
 
 
 def _train_or_documented_error(tree: TreeSpec, config: ConfigSpec) -> str:

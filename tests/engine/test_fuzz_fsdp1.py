@@ -20,24 +20,17 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import assume, event, given
 from hypothesis import strategies as st
-from test_fuzz import Block, ConfigSpec, Tree, TreeSpec, tree_specs
-from test_fuzz_fully_shard import _same_error
+from test_fuzz import Block, ConfigSpec, Tree, TreeSpec, config_specs_with, tree_specs
+from test_fuzz_fully_shard import _fuzz_settings, _same_error
 from torch import nn
 
 from harness import run_on_ranks
 
 EXAMPLES = int(os.environ.get("FULLSHARD_FUZZ_EXAMPLES", "40"))
 
-configs = st.builds(
-    ConfigSpec,
-    strategy=st.sampled_from(["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]),
-    use_orig_params=st.booleans(),
-    wrap=st.sampled_from(["none", "blocks", "size"]),
-    mixed_precision=st.booleans(),
-    offload=st.just(False),
-)
+configs = config_specs_with(offload=st.just(False))
 
 
 BEYOND_TORCH = ("ValueError: Must flatten tensors with uniform `requires_grad`",)
@@ -135,12 +128,7 @@ def _compare(tree: TreeSpec, config: ConfigSpec) -> str:
     return "ok"
 
 
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+@_fuzz_settings(EXAMPLES)
 @given(tree=tree_specs(), config=configs)
 def test_fuzzed_fsdp1_door_trains_as_torchs_fsdp1(tree: TreeSpec, config: ConfigSpec) -> None:
     # Not a weight tied across auto-wrapped blocks: torch's FSDP1 trains that silently
@@ -151,12 +139,7 @@ def test_fuzzed_fsdp1_door_trains_as_torchs_fsdp1(tree: TreeSpec, config: Config
     event(outcome[0])
 
 
-@settings(
-    max_examples=max(1, EXAMPLES // 4),
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+@_fuzz_settings(max(1, EXAMPLES // 4))
 @given(tree=tree_specs(), config=configs)
 def test_fuzzed_fsdp1_door_trains_as_torchs_fsdp1_on_three_ranks(
     tree: TreeSpec, config: ConfigSpec
