@@ -85,8 +85,11 @@ class RootState:
         self.buffers_full_precision: bool | None = None
         """Whether buffers are in their own dtype (True) or in ``buffer_dtype`` (False);
         None before the first forward casts them."""
+        self.forwards = 0
+        """The root's forwards begun so far (a group's forward belongs to one of them)."""
 
     def begin_forward(self, training: bool) -> None:
+        self.forwards += 1
         if training and validation_enabled():
             self.exec_order.begin_iteration()
         for unit in self.units:

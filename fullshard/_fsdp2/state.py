@@ -63,6 +63,8 @@ class ShardedModule:
     started: list[nn.Module] = dataclasses.field(default_factory=list)
     """A group in forward: its modules whose forward has begun (one beginning again starts
     the group's next forward: the last one raised before the group's end)."""
+    opened_in: int | None = None
+    """A group in forward: the root's forward it began in (`RootState.forwards`)."""
 
     @property
     def unit(self) -> Unit:
@@ -91,6 +93,8 @@ OPEN_GROUPS: weakref.WeakSet[ShardedModule] = weakref.WeakSet()
 
 def pre_forward(state: ShardedModule, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
     if _tracks_group_forward(state):
+        if state.yet_to_run and state.opened_in != _root_forwards(state):
+            state.forget_forward()  # left open by modules run outside the root's last forward
         if state.yet_to_run and module not in state.started:
             state.started.append(module)  # the group's forward began at an earlier module
             return _forward.cast_inputs(state.unit, args, kwargs)
@@ -98,6 +102,9 @@ def pre_forward(state: ShardedModule, module: nn.Module, args: Any, kwargs: Any)
             state.input_dtypes.clear()
         state.yet_to_run, state.started = list(state.members), [module]
         OPEN_GROUPS.add(state)
+        args, kwargs = enter(state, module, args, kwargs)
+        state.opened_in = _root_forwards(state)  # after enter: a root group begins a forward
+        return args, kwargs
     return enter(state, module, args, kwargs)
 
 
@@ -125,13 +132,20 @@ def _tracks_group_forward(state: ShardedModule) -> bool:
     return len(state.members) > 1 and not state.unit.runtime.in_backward()
 
 
+def _root_forwards(state: ShardedModule) -> int | None:
+    root_state = state.unit.runtime.root_state
+    return None if root_state is None else root_state.forwards
+
+
 def _close_open_groups(root: ShardedModule, output: Any) -> Any:
     """At the end of the root's forward, the post-forward of each group whose forward began
     but did not reach every module (one of them ran again after the group's end, or one
     never ran), as torch's ``_force_complete_incomplete_states``: its pre-backward then
     hangs on the root's output, and the next forward starts the group afresh instead of
     taking its first module for a later one of the unfinished forward, which would run on
-    the sharded parameters."""
+    the sharded parameters. A group's modules run after the root's forward (a tied output
+    layer applied to each chunk of the loss) open it again; the next root forward then
+    starts it afresh (`pre_forward`), as torch clears it at the end of backward."""
     root_state = root.unit.runtime.root_state
     for group in [g for g in OPEN_GROUPS if g.unit.runtime.root_state is root_state]:
         OPEN_GROUPS.discard(group)

@@ -526,3 +526,63 @@ def test_each_module_of_a_group_casts_its_inputs_and_output_as_torchs() -> None:
     output, so the second layer met the middle unit's fp32 output with bf16 weights
     ("expected m1 and m2 to have the same dtype") and the first layer's output stayed bf16."""
     run_on_ranks(2, _compare_group_casts)
+
+
+class _ChunkedLM(nn.Module):
+    """An embedding tied to an output layer that the loss applies to each chunk of the
+    hidden states, outside the model's forward (chunked cross entropy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(11, DIM)
+        self.blocks = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(2))
+        self.head = nn.Linear(DIM, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return x
+
+
+def _chunked_loss_training(engine: str) -> tuple[list[float], dict[str, Any]]:
+    api = _api(engine)
+    model = _ChunkedLM()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        api.fully_shard(block, mesh=mesh)
+    api.fully_shard([model.embed, model.head], mesh=mesh)
+    api.fully_shard(model, mesh=mesh)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(3):
+        generator = torch.Generator().manual_seed(10 * step + dist.get_rank())
+        tokens = torch.randint(0, 11, (4, 8), generator=generator)
+        hidden = model(tokens)
+        loss = torch.zeros(())
+        for chunk, target in zip(hidden.chunk(2, dim=1), tokens.chunk(2, dim=1)):
+            logits = model.head(chunk).reshape(-1, 11)
+            loss = loss + nn.functional.cross_entropy(logits, target.reshape(-1))
+        loss.backward()
+        losses.append(loss.item())
+        optim.step()
+        optim.zero_grad()
+    return losses, {name: _full(p) for name, p in model.named_parameters()}
+
+
+def _compare_chunked_loss() -> None:
+    ours, theirs = _chunked_loss_training("fullshard"), _chunked_loss_training("torch")
+    assert ours[0] == pytest.approx(theirs[0], rel=1e-5), (ours[0], theirs[0])
+    for name, value in theirs[1].items():
+        torch.testing.assert_close(ours[1][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_group_module_run_on_loss_chunks_after_forward_trains_as_torchs() -> None:
+    """``fully_shard([embed, head])`` with the head run on each chunk of the loss, after the
+    root's forward: the chunks leave the group's forward open (the embedding has not run
+    since), and the next step's embedding was taken for a later module of it and ran on
+    the sharded parameters ("aten.embedding.default got mixed torch.Tensor and DTensor").
+    Now the next root forward starts the group afresh, as torch clears it after backward."""
+    run_on_ranks(2, _compare_chunked_loss)
