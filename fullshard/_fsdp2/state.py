@@ -158,12 +158,31 @@ def _close_open_groups(root: ShardedModule, output: Any) -> Any:
 def enter(state: ShardedModule, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
     """Each unit's pre-forward, the attached one first (it may be the root, which starts
     the step); the inputs cast as the call's policy says."""
+    runtime = state.unit.runtime
+    if runtime.in_backward():
+        RECOMPUTED.add(state)
+    elif runtime.is_root and RECOMPUTED:
+        _forget_recomputations()
     training = module.training
     args, kwargs, input_dtype = _forward.before_forward(state.unit, args, kwargs, training)
     for sibling in state.units[1:]:
         args, kwargs, _ = _forward.before_forward(sibling, args, kwargs, training)
     state.input_dtypes.append(input_dtype)
     return args, kwargs
+
+
+RECOMPUTED: weakref.WeakSet[ShardedModule] = weakref.WeakSet()
+"""Modules whose forward ran in backward (activation checkpointing's recomputation, which
+stops once backward has what it needs, often before the post-forward that pops the entry
+`enter` pushed)."""
+
+
+def _forget_recomputations() -> None:
+    """At the root's next forward, drop what recomputations left in ``input_dtypes``: one
+    entry per checkpointed module and step otherwise, for as long as training runs."""
+    for state in RECOMPUTED:
+        state.input_dtypes.clear()
+    RECOMPUTED.clear()
 
 
 def leave(state: ShardedModule, args: Any, kwargs: Any, output: Any) -> Any:

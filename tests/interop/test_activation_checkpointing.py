@@ -454,3 +454,35 @@ def test_reentrant_region_before_a_nested_unit_matches_reference(strategy: str) 
     unit and missed the region)."""
     for grad_diff, param_diff in run_on_ranks(2, _check_region_before_unit, strategy):
         assert grad_diff < TOLERANCE and param_diff < TOLERANCE, (grad_diff, param_diff)
+
+
+class _CheckpointedBlocks(nn.Sequential):
+    """Each block under ``torch.utils.checkpoint`` inside the forward (transformers' way)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def _recomputations_leave_nothing_behind() -> list[int]:
+    from fullshard import fully_shard
+    from fullshard._fsdp2.state import state_of
+
+    torch.manual_seed(0)
+    model = _CheckpointedBlocks(*(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(2)))
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    for _ in range(6):
+        model(torch.randn(4, 6)).sum().backward()
+    return [len(state_of(block).input_dtypes) for block in model]
+
+
+def test_recomputed_fully_shard_units_leave_nothing_behind_across_steps() -> None:
+    """A ``fully_shard`` module recomputed by non-reentrant checkpointing in backward runs its
+    pre-forward but, with checkpointing's early stop, not its post-forward: each step left an
+    entry in the module's ``input_dtypes`` (6 after 6 steps, growing for as long as training
+    ran). The root's next forward now drops them: at most the last backward's remain."""
+    for counts in run_on_ranks(2, _recomputations_leave_nothing_behind):
+        assert max(counts) <= 1, counts
