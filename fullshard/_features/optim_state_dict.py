@@ -160,13 +160,31 @@ class _StateMeta:
     dtype: torch.dtype | None = None
     value: Any = None
     """The scalar (on the CPU) or the object itself."""
+    holds: bool = True
+    """Whether the rank that described it holds elements of the parameter: see [Note: scalar
+    states of a parameter a rank holds none of]."""
+
+
+# [Note: scalar states of a parameter a rank holds none of]
+# Under use_orig_params a rank whose shard holds none of a parameter's elements has a
+# 0-element view of it, which never gets a gradient, so the optimizer never steps it there.
+# That rank's scalar states of it (Adam's ``step``) are stale, or were made by torch's
+# ``get_optimizer_state_dict``, whose first call on an optimizer without state runs one step
+# with zero gradients (``step`` 1). The state dict takes a parameter's scalars from the ranks
+# that hold its elements, which step it every time; where those disagree it raises, as torch
+# does. (Taking a non-holder's value saved Adam's ``step`` of 1 or of the last load, and a
+# resume then corrected its moments with the wrong step.)
+
+
+def _holds_elements(op: _OptimParam) -> bool:
+    return op.is_flat or op.param.numel() > 0
 
 
 def _describe(value: Any, op: _OptimParam, key: str) -> _StateMeta:
     if not isinstance(value, torch.Tensor):
-        return _StateMeta("object", value=value)
+        return _StateMeta("object", value=value, holds=_holds_elements(op))
     if value.dim() == 0:
-        return _StateMeta("scalar", value.dtype, value.detach().cpu())
+        return _StateMeta("scalar", value.dtype, value.detach().cpu(), _holds_elements(op))
     if value.shape != op.param.shape:
         raise ValueError(
             f"optimizer state '{key}' of {op.fqns if op.is_flat else op.fqns[0]!r} has shape "
@@ -210,12 +228,35 @@ def _exchange_metadata(
         dist.all_gather_object(every, mine, group=group)
     _check_same_managed(every)
     merged: dict[str, dict[str, _StateMeta]] = {}
-    for view in every:
+    for rank, view in enumerate(every):
         for fqn, described in view.states.items():
             keys = merged.setdefault(fqn, {})
             for key, meta in described.items():
-                keys.setdefault(key, meta)
+                _merge(keys, key, meta, fqn, rank)
     return merged, every[0].held
+
+
+def _merge(keys: dict[str, _StateMeta], key: str, meta: _StateMeta, fqn: str, rank: int) -> None:
+    """Keep the first description of ``key`` by a rank holding elements of the parameter, or
+    by any rank where none does (see [Note: scalar states of a parameter a rank holds none
+    of]); holders must agree on a scalar."""
+    known = keys.get(key)
+    if known is None or (meta.holds and not known.holds):
+        keys[key] = meta
+        return
+    both_hold = meta.holds and known.holds
+    if (
+        both_hold
+        and meta.kind == known.kind == "scalar"
+        and not torch.equal(meta.value, known.value)
+    ):
+        raise RuntimeError(
+            f"Rank {rank} has different values for {key}: {meta.value}. Other ranks: "
+            f"{known.value}. (fullshard: optimizer state '{key}' of {fqn!r} differs "
+            "between ranks that hold parts of the parameter, so the optimizer stepped "
+            "them differently; every rank must step the same optimizer over the same "
+            "parameters)"
+        )
 
 
 def _check_same_managed(every: list[_RankView]) -> None:
@@ -413,7 +454,8 @@ def _assemble(
                 if meta.kind == "tensor":
                     param_state[key] = tensors[(fqn, key)]
                 elif meta.kind == "scalar" and key in local:
-                    param_state[key] = _copied(local[key], offload_to_cpu)
+                    mine = local[key] if _holds_elements(op) else meta.value.to(local[key].device)
+                    param_state[key] = _copied(mine, offload_to_cpu)
                 else:
                     param_state[key] = copy.copy(meta.value)
             out[fqn] = param_state

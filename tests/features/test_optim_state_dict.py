@@ -504,6 +504,46 @@ def test_optim_state_dict_errors() -> None:
     run_on_ranks(2, _errors)
 
 
+def _steps_of_parameters_held_elsewhere() -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    # 13 elements, 7 per rank: rank 0 holds 7 of 0.weight's 8, rank 1 the rest
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(nn.Linear(4, 2), nn.Linear(2, 1)), use_orig_params=True)
+    params = list(model.parameters())
+    assert [p.numel() for p in params] == ([7, 0, 0, 0] if dist.get_rank() == 0 else [1, 2, 2, 1])
+
+    def train(optim: torch.optim.Optimizer) -> None:
+        for step in range(3):
+            generator = torch.Generator().manual_seed(10 * step + dist.get_rank())
+            model(torch.randn(4, 4, generator=generator)).pow(2).sum().backward()
+            optim.step()
+            optim.zero_grad()
+
+    # Rank 0 holds none of the second layer: its optimizer has no state, and torch's
+    # get_optimizer_state_dict steps it once with zero gradients (step 1) before reading it.
+    second = torch.optim.Adam(params[2:], lr=0.01)
+    train(second)
+    full = get_optimizer_state_dict(model, second, options=StateDictOptions(full_state_dict=True))
+    steps = {fqn: state["step"].item() for fqn, state in full["state"].items()}
+    assert steps == {"1.weight": 3.0, "1.bias": 3.0}, steps
+    # Both ranks hold parts of 0.weight: if they stepped it differently, an error, not a pick.
+    every = torch.optim.Adam(params, lr=0.01)
+    train(every)
+    if dist.get_rank() == 1:
+        every.state[params[0]]["step"] = torch.tensor(9.0)
+    with pytest.raises(RuntimeError, match=r"Rank 1 has different values for step.*'0.weight'"):
+        FSDP.optim_state_dict(model, every)
+
+
+def test_scalar_states_come_from_the_ranks_that_hold_the_parameter() -> None:
+    """Under use_orig_params a rank holding none of a parameter's elements never steps it, so
+    its Adam ``step`` there is whatever torch's ``get_optimizer_state_dict`` or a load left: the
+    state dict takes the holders' (it gave rank 0 a step of 1 for the second layer, which rank
+    1 had stepped 3 times). Holders that disagree raise, as in torch."""
+    run_on_ranks(2, _steps_of_parameters_held_elsewhere)
+
+
 def _rank0_only_matches_everywhere(strategy: ShardingStrategy, use_orig_params: bool) -> None:
     rank = dist.get_rank()
     model = _wrap(strategy, use_orig_params)
