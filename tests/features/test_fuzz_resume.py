@@ -1,8 +1,9 @@
 """Fuzzed checkpoint resumes through torch's checkpoint API, across engines and layouts.
 
-A checkpoint is only as good as the run it resumes. Each example trains ``test_fuzz_fully_shard``'s
-drawn models (odd and tiny widths, so parameters with fewer rows than ranks; frozen blocks and
-frozen layers inside a unit; ties; blocks unused, repeated or checkpointed) on gloo ranks:
+A checkpoint is only as good as the run it resumes. Each example trains
+``test_fuzz_fully_shard``'s drawn models (odd and tiny widths, so parameters with fewer rows
+than ranks; frozen blocks and frozen layers inside a unit; ties; blocks unused, repeated or
+checkpointed) on gloo ranks, every step on its rows of one global batch:
 
 - uninterrupted, 4 steps, under the saving side's engine and layout;
 - 2 steps under the same, then a checkpoint: ``get_state_dict`` and ``dcp.save`` (sharded), or
@@ -13,13 +14,15 @@ frozen layers inside a unit; ties; blocks unused, repeated or checkpointed) on g
   ``broadcast_from_rank0=True``), and 2 more steps.
 
 The two sides draw their engines (fullshard's ``fully_shard``, torch's ``fully_shard``,
-fullshard's ``FullyShardedDataParallel`` with ``use_orig_params``) and their layouts (which
-blocks get a unit, ``reshard_after_forward``, parameters sharded on dim 1, CPU offload, a 2 x 2
-HSDP mesh against a 1-D one on 4 ranks) independently, so checkpoints move between doors,
-between torch's engine and fullshard's, and between shardings. The resumed run's losses,
-final parameters and optimizer state must be the uninterrupted run's.
+fullshard's ``FullyShardedDataParallel`` with and without ``use_orig_params``) and their
+layouts (which blocks get a unit, ``reshard_after_forward``, parameters sharded on dim 1, CPU
+offload; on 4 ranks a 1-D mesh, a 2 x 2 HSDP mesh, or tensor parallelism over a (dp, tp) mesh)
+independently, so checkpoints move between doors, between torch's engine and fullshard's, and
+between shardings. The resumed run's global losses, final parameters and optimizer state
+must be the uninterrupted run's.
 
-CI runs FULLSHARD_FUZZ_EXAMPLES (default 30) examples on 2 ranks and a fifth as many on 4.
+CI runs FULLSHARD_FUZZ_EXAMPLES (default 30) examples on 2 ranks and a fifth as many on 4,
+with and without tensor parallelism.
 """
 
 from __future__ import annotations
@@ -61,8 +64,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from harness import run_on_ranks
 
 EXAMPLES = int(os.environ.get("FULLSHARD_FUZZ_EXAMPLES", "30"))
-ENGINES = ("fullshard", "torch", "fullshard-fsdp1")
-"""fullshard's and torch's ``fully_shard``, fullshard's ``FullyShardedDataParallel``."""
+ENGINES = ("fullshard", "torch", "fullshard-fsdp1", "fullshard-fsdp1-flat")
+"""fullshard's and torch's ``fully_shard``, fullshard's ``FullyShardedDataParallel`` with and
+without ``use_orig_params``."""
+FSDP2_ENGINES = ("fullshard", "torch")
+GLOBAL_BATCH = 8
+"""Rows of one step's batch, split over the data-parallel ranks (2 or 4), so every layout
+computes the same global loss."""
 STEPS, SAVED_AT = 4, 2
 
 
@@ -78,6 +86,10 @@ class Side:
     offload: bool
     hsdp: bool
     """4 ranks: a (replicate, shard) 2 x 2 mesh (HYBRID_SHARD for FSDP1) instead of 1-D."""
+    tp: bool = False
+    """4 ranks, ``fully_shard``: a (dp, tp) 2 x 2 mesh, each block's first Linear
+    ``ColwiseParallel`` and second ``RowwiseParallel`` over "tp", then ``fully_shard`` over
+    "dp" (as torchtitan composes them)."""
 
 
 @dataclass(frozen=True)
@@ -94,12 +106,18 @@ class Resume:
 
 
 @st.composite
-def sides(draw: st.DrawFn, tree: Tree, world: int) -> Side:
-    engine = draw(st.sampled_from(ENGINES))
+def sides(draw: st.DrawFn, tree: Tree, world: int, tp: bool = False) -> Side:
+    """With ``tp``, a tensor-parallel side (``tree`` must fit it)."""
+    engine = draw(st.sampled_from(FSDP2_ENGINES if tp else ENGINES))
     tied = set(tree.tie or ())
     blocks = [index for index in range(len(tree.widths)) if index not in tied]
-    hsdp = world == 4 and draw(st.booleans())
-    shard = 2 if hsdp else world
+    layout = "1d"
+    if tp:
+        layout = "tp"
+    elif world == 4:
+        layout = draw(st.sampled_from(["1d", "hsdp"]))
+    hsdp, tp = layout == "hsdp", layout == "tp"
+    shard = 2 if hsdp or tp else world
     sizes = [k for k in range(1, shard + 1) if shard % k == 0]
     return Side(
         engine,
@@ -107,9 +125,10 @@ def sides(draw: st.DrawFn, tree: Tree, world: int) -> Side:
         if blocks
         else (),
         draw(st.sampled_from([True, False, *sizes])),
-        DIM % shard == 0 and draw(st.booleans()),  # dim 1 must split evenly
+        not tp and DIM % shard == 0 and draw(st.booleans()),  # dim 1 must split evenly
         draw(st.booleans()),
         hsdp,
+        tp,
     )
 
 
@@ -117,34 +136,81 @@ def sides(draw: st.DrawFn, tree: Tree, world: int) -> Side:
 def resumes(draw: st.DrawFn, world: int) -> tuple[Tree, Resume]:
     tree = draw(trees())
     precision = draw(st.sampled_from(["none", "bf16"]))
-    resume = Resume(
-        precision,
+    optimizer = draw(st.sampled_from(["sgd", "adam", "adamw"]))
+    saved, resumed = draw(sides(tree, world)), draw(sides(tree, world))
+    # A flat parameter holds weights and biases alike (one group), and the never-called
+    # block's parameters too, which its optimizer then steps with zero gradients (AdamW
+    # decays them) where the others' never step them: no such block beside it.
+    flat = "fullshard-fsdp1-flat" in (saved.engine, resumed.engine)
+    decay_groups = not flat and draw(st.booleans())
+    if flat:
+        tree = dataclasses.replace(tree, unused_block=False)
+    return tree, Resume(precision, optimizer, decay_groups, draw(st.booleans()), saved, resumed)
+
+
+@st.composite
+def tp_resumes(draw: st.DrawFn) -> tuple[Tree, Resume]:
+    """4 ranks, one side or both tensor parallel (a (dp, tp) mesh): torch's TP needs the hidden
+    widths to split evenly over 2 ranks, and a tie it distributes twice breaks."""
+    tree = draw(trees())
+    even = tuple(width + width % 2 for width in tree.widths)
+    tree = dataclasses.replace(tree, widths=even, tie=None)
+    which = draw(st.sampled_from(["saved", "resumed", "both"]))
+    saved = draw(sides(tree, 4, tp=which != "resumed"))
+    resumed = draw(sides(tree, 4, tp=which != "saved"))
+    flat = "fullshard-fsdp1-flat" in (saved.engine, resumed.engine)
+    if flat:
+        tree = dataclasses.replace(tree, unused_block=False)
+    return tree, Resume(
+        draw(st.sampled_from(["none", "bf16"])),
         draw(st.sampled_from(["sgd", "adam", "adamw"])),
+        not flat and draw(st.booleans()),
         draw(st.booleans()),
-        draw(st.booleans()),
-        draw(sides(tree, world)),
-        draw(sides(tree, world)),
+        saved,
+        resumed,
     )
-    return tree, resume
 
 
 def _mesh(side: Side) -> Any:
     world = dist.get_world_size()
     if side.hsdp:
         return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    if side.tp:
+        return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     return init_device_mesh("cpu", (world,))
+
+
+def _data_parallel(side: Side) -> tuple[int, int]:
+    """This rank's index among the ranks that read different rows, and their count."""
+    if side.tp:
+        return dist.get_rank() // 2, dist.get_world_size() // 2
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _tensor_parallel(model: Net, mesh: Any) -> Any:
+    """Each block's Linears split over ``mesh["tp"]``; returns the "dp" mesh."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    for block in model.blocks:
+        plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+        parallelize_module(block, mesh["tp"], plan)
+    return mesh["dp"]
 
 
 def _sharded(tree: Tree, seed: int, side: Side, precision: str) -> nn.Module:
     """``Net(tree)`` with weights of ``seed``, sharded as ``side`` says."""
     model = Net(dataclasses.replace(tree, seed=seed))
-    if side.engine == "fullshard-fsdp1":
+    if side.engine.startswith("fullshard-fsdp1"):
         return _fsdp1(model, side, precision)
     api = _api(side.engine)
-    kwargs: dict[str, Any] = {
-        "mesh": _mesh(side),
-        "reshard_after_forward": side.reshard_after_forward,
-    }
+    mesh = _mesh(side)
+    if side.tp:
+        mesh = _tensor_parallel(model, mesh)
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": side.reshard_after_forward}
     if precision == "bf16":
         kwargs["mp_policy"] = api.MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
@@ -166,7 +232,7 @@ def _fsdp1(model: Net, side: Side, precision: str) -> nn.Module:
     targets = {model.blocks[index] for index in side.units}
     kwargs: dict[str, Any] = {
         "auto_wrap_policy": CustomPolicy(lambda module: module in targets),
-        "use_orig_params": True,
+        "use_orig_params": side.engine == "fullshard-fsdp1",
     }
     if side.hsdp:
         kwargs["sharding_strategy"] = fullshard.ShardingStrategy.HYBRID_SHARD
@@ -215,19 +281,25 @@ def _no_decay(name: str) -> bool:
     return name.endswith("bias") or ".norm." in name
 
 
-def _input(step: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(1000 * dist.get_rank() + step)
-    return torch.randn(4, DIM, generator=generator)
+def _input(step: int, side: Side) -> torch.Tensor:
+    """This rank's rows of step ``step``'s global batch."""
+    index, count = _data_parallel(side)
+    rows = GLOBAL_BATCH // count
+    batch = torch.randn(GLOBAL_BATCH, DIM, generator=torch.Generator().manual_seed(step))
+    return batch[index * rows : (index + 1) * rows]
 
 
-def _steps(model: nn.Module, optim: torch.optim.Optimizer, steps: range) -> list[float]:
+def _steps(model: nn.Module, optim: torch.optim.Optimizer, steps: range, side: Side) -> list[float]:
+    """Trains ``steps``; returns the global losses (every rank's mean)."""
     losses = []
     for step in steps:
-        loss = model(_input(step)).float().pow(2).mean()
+        loss = model(_input(step, side)).float().pow(2).mean()
         loss.backward()
         optim.step()
         optim.zero_grad()
-        losses.append(loss.item())
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / dist.get_world_size())
     return losses
 
 
@@ -250,13 +322,13 @@ def _outcome(model: nn.Module, optim: torch.optim.Optimizer, losses: list[float]
 def _uninterrupted(tree: Tree, resume: Resume) -> dict[str, Any]:
     model = _sharded(tree, tree.seed, resume.saved, resume.precision)
     optim = _optimizer(resume, model)
-    return _outcome(model, optim, _steps(model, optim, range(STEPS)))
+    return _outcome(model, optim, _steps(model, optim, range(STEPS), resume.saved))
 
 
 def _save(tree: Tree, resume: Resume, path: str) -> list[float]:
     model = _sharded(tree, tree.seed, resume.saved, resume.precision)
     optim = _optimizer(resume, model)
-    losses = _steps(model, optim, range(SAVED_AT))
+    losses = _steps(model, optim, range(SAVED_AT), resume.saved)
     if resume.full:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_state, optim_state = get_state_dict(model, optim, options=options)
@@ -292,7 +364,7 @@ def _resume(tree: Tree, resume: Resume, path: str) -> tuple[nn.Module, torch.opt
 def _interrupted(tree: Tree, resume: Resume, path: str) -> dict[str, Any]:
     losses = _save(tree, resume, path)
     model, optim = _resume(tree, resume, path)
-    losses += _steps(model, optim, range(SAVED_AT, STEPS))
+    losses += _steps(model, optim, range(SAVED_AT, STEPS), resume.resumed)
     return _outcome(model, optim, losses)
 
 
@@ -315,7 +387,11 @@ def _compare(tree: Tree, resume: Resume, path: str) -> str:
         torch.testing.assert_close(
             got["values"][name], value, rtol=rel, atol=rel * scale * share, msg=name
         )
-    return f"{resume.saved.engine} -> {resume.resumed.engine}"
+    return f"{_label(resume.saved)} -> {_label(resume.resumed)}"
+
+
+def _label(side: Side) -> str:
+    return side.engine + ("/tp" if side.tp else "/hsdp" if side.hsdp else "")
 
 
 def _check(world: int, example: tuple[Tree, Resume]) -> None:
@@ -358,6 +434,14 @@ the head's. The optimizer state dict took a parameter's Adam ``step`` from such 
 @given(example=resumes(4))
 @example(example=_STEP_OF_A_PARAMETER_HELD_ELSEWHERE)
 def test_fuzzed_resume_trains_as_the_uninterrupted_run_on_four_ranks(
+    example: tuple[Tree, Resume],
+) -> None:
+    _check(4, example)
+
+
+@_fuzz_settings(max(1, EXAMPLES // 5))
+@given(example=tp_resumes())
+def test_fuzzed_resume_with_tensor_parallel_sides_trains_as_the_uninterrupted_run(
     example: tuple[Tree, Resume],
 ) -> None:
     _check(4, example)
