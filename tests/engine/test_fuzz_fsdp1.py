@@ -9,7 +9,8 @@ the losses, the ``FULL_STATE_DICT`` model state, the full optimizer state
 ``use_orig_params`` must agree, or both engines must raise the same error (fullshard's text
 is torch's with where and how to fix after it).
 
-CPU offload is not drawn: torch's FSDP1 pins host memory, which needs a GPU. Gradients are
+A third test draws HYBRID_SHARD and _HYBRID_SHARD_ZERO2 on a 2 x 2 mesh of 4 ranks. CPU
+offload is not drawn: torch's FSDP1 pins host memory, which needs a GPU. Gradients are
 compared full (``summon_full_params(with_grads=True)``): the shards' layouts differ under
 ``use_orig_params``, where torch pads each parameter to a 16-byte boundary of the compute
 dtype inside its flat parameter and fullshard does not (docs/conformance.md).
@@ -30,6 +31,7 @@ from hypothesis import strategies as st
 from test_fuzz import Block, ConfigSpec, Tree, TreeSpec, config_specs_with, tree_specs
 from test_fuzz_fully_shard import _fuzz_settings, _same_error
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from harness import run_on_ranks
 
@@ -54,6 +56,16 @@ class LoopSpec:
     backward_prefetch: str | None
     forward_prefetch: bool
 
+
+hybrid_configs = st.builds(
+    ConfigSpec,
+    strategy=st.sampled_from(["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]),
+    use_orig_params=st.booleans(),
+    wrap=st.sampled_from(["none", "blocks", "size"]),
+    mixed_precision=st.booleans(),
+    offload=st.just(False),
+)
+"""HYBRID_SHARD and _HYBRID_SHARD_ZERO2 on a 2 x 2 mesh of 4 ranks."""
 
 loops = st.builds(
     LoopSpec,
@@ -92,8 +104,12 @@ def _wrap(engine: str, model: nn.Module, config: ConfigSpec, loop: LoopSpec) -> 
     elif config.wrap == "size":
         policy = functools.partial(wrap.size_based_auto_wrap_policy, min_num_params=60)
     precision = api.MixedPrecision(param_dtype=torch.float16) if config.mixed_precision else None
+    hybrid: dict[str, Any] = {}
+    if "HYBRID" in config.strategy:  # 4 ranks: (replicate, shard)
+        hybrid["device_mesh"] = init_device_mesh("cpu", (2, 2))
     return api.FullyShardedDataParallel(
         model,
+        **hybrid,
         auto_wrap_policy=policy,
         sharding_strategy=api.ShardingStrategy[config.strategy],
         use_orig_params=config.use_orig_params,
@@ -224,5 +240,16 @@ def test_fuzzed_fsdp1_door_trains_as_torchs_fsdp1_on_three_ranks(
 ) -> None:
     assume(tree.tie is None or config.wrap == "none")
     outcome = run_on_ranks(3, _compare, tree, config, loop, timeout=120)
+    assert len(set(outcome)) == 1, outcome
+    event(outcome[0])
+
+
+@_fuzz_settings(max(1, EXAMPLES // 8))
+@given(tree=tree_specs(), config=hybrid_configs, loop=loops)
+def test_fuzzed_fsdp1_door_hybrid_shards_as_torchs_fsdp1(
+    tree: TreeSpec, config: ConfigSpec, loop: LoopSpec
+) -> None:
+    assume(tree.tie is None or config.wrap == "none")
+    outcome = run_on_ranks(4, _compare, tree, config, loop, timeout=180)
     assert len(set(outcome)) == 1, outcome
     event(outcome[0])
