@@ -26,7 +26,7 @@ from ._engine.build import build_unit
 from ._engine.compile import eager_frame
 from ._engine.convert import after_apply, before_apply
 from ._engine.flat_param import FlatParameter
-from ._engine.names import FSDP_WRAPPED_MODULE, clean_fqn
+from ._engine.names import FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_fqn
 from ._engine.optimizer_check import watch_optimizers
 from ._engine.runtime import TrainingState
 from ._engine.settings import HOMOGENEOUS_ATTR_NAMES, Settings, resolve_settings
@@ -200,17 +200,24 @@ class FullyShardedDataParallel(TorchAttributes, StateDictMethods, nn.Module):
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
-        """Inside ``summon_full_params``, names without wrapper prefixes (torch's behaviour);
-        where this rank sees the full parameters, those instead of the flat parameters."""
+        """Inside ``summon_full_params``, names without FSDP's prefix (torch's behaviour: an
+        activation-checkpointing wrapper's stays); where this rank sees the full parameters,
+        those instead of the flat parameters."""
         runtime = self._unit.runtime
         in_summon = runtime.training_state == TrainingState.SUMMON_FULL_PARAMS
         exposed = runtime.exposes_full_params
         for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
             if exposed and isinstance(param, FlatParameter):
                 continue
-            if in_summon:
-                name = clean_fqn(name)
-            yield name, param
+            yield name.replace(FSDP_PREFIX, "") if in_summon else name, param
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Inside ``summon_full_params``, names without FSDP's prefix, as torch's."""
+        in_summon = self._unit.runtime.training_state == TrainingState.SUMMON_FULL_PARAMS
+        for name, buffer in super().named_buffers(prefix, recurse, remove_duplicate):
+            yield name.replace(FSDP_PREFIX, "") if in_summon else name, buffer
 
     # -- forward ----------------------------------------------------------------------------
 

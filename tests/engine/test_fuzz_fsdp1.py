@@ -2,7 +2,8 @@
 configurations of ``test_fuzz`` (which checks parity with DDP), here held to torch's
 engine on what DDP has no counterpart for, and a training loop of its own (SGD, Adam or
 AdamW; accumulation under ``no_sync()``; ``clip_grad_norm_``, its norm compared; zeroing in
-place or to None; a ``no_grad`` forward between steps; backward and forward prefetch). Each
+place or to None; a ``no_grad`` forward between steps; backward and forward prefetch;
+activation checkpointing applied after wrapping). Each
 example trains 3 steps with torch's FSDP1, then with fullshard's, from the same weights:
 the losses, the ``FULL_STATE_DICT`` model state, the full optimizer state
 (``FSDP.optim_state_dict``) and the original parameters' gradients under
@@ -55,6 +56,9 @@ class LoopSpec:
     """A forward under ``no_grad`` before each step's backward."""
     backward_prefetch: str | None
     forward_prefetch: bool
+    checkpoint: bool = False
+    """Every block under ``apply_activation_checkpointing`` (non-reentrant), applied after
+    wrapping as accelerate does: the state dicts must still have the plain model's keys."""
 
 
 hybrid_configs = st.builds(
@@ -76,6 +80,7 @@ loops = st.builds(
     eval_forward=st.booleans(),
     backward_prefetch=st.sampled_from([None, "BACKWARD_PRE", "BACKWARD_POST"]),
     forward_prefetch=st.booleans(),
+    checkpoint=st.booleans(),
 )
 
 
@@ -122,6 +127,19 @@ def _wrap(engine: str, model: nn.Module, config: ConfigSpec, loop: LoopSpec) -> 
     )
 
 
+def _checkpoint_blocks(model: nn.Module) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=wrapper, check_fn=lambda module: isinstance(module, Block)
+    )
+
+
 def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
@@ -142,6 +160,8 @@ def _train(engine: str, tree: TreeSpec, config: ConfigSpec, loop: LoopSpec) -> d
     model = Tree(tree)
     try:
         fsdp = _wrap(engine, model, config, loop)
+        if loop.checkpoint:
+            _checkpoint_blocks(fsdp)
         optim = _optimizer(loop.optimizer, fsdp.parameters())
         losses, grads = [], {}
         rank = torch.distributed.get_rank()
@@ -239,6 +259,10 @@ def test_fuzzed_fsdp1_door_trains_as_torchs_fsdp1_on_three_ranks(
     tree: TreeSpec, config: ConfigSpec, loop: LoopSpec
 ) -> None:
     assume(tree.tie is None or config.wrap == "none")
+    # fp16 reductions over 3 ranks round in the transport's order (gloo's ring sums in an
+    # order that differs by rank), and Adam turns a last-bit difference in a gradient near
+    # zero into a step of lr (0.01 after 2 steps in one example): SGD only there.
+    assume(not config.mixed_precision or loop.optimizer == "sgd")
     outcome = run_on_ranks(3, _compare, tree, config, loop, timeout=120)
     assert len(set(outcome)) == 1, outcome
     event(outcome[0])

@@ -570,3 +570,65 @@ def test_module_attributes_outside_forward_are_as_torchs_flat_parameter_views() 
     attribute 'bias'``, failing torch's test_train_ema_eval_flow), and using their values
     raises an error naming the parameter and where to read it."""
     run_on_ranks(2, _attributes_outside_forward)
+
+
+class _NormedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.lin(x))
+
+
+def _names_in_and_out_of_summon(engine: str, use_orig_params: bool) -> dict[str, list[str]]:
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    if engine == "torch":
+        from torch.distributed.fsdp import FullyShardedDataParallel as Engine
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy as Policy
+
+        extra: dict[str, Any] = {"device_id": torch.device("cpu")}
+    else:
+        Engine, Policy, extra = FSDP, ModuleWrapPolicy, {}  # type: ignore[assignment]
+    torch.manual_seed(0)
+    model = Engine(
+        nn.Sequential(_NormedBlock(), _NormedBlock()),
+        auto_wrap_policy=Policy({_NormedBlock}),
+        use_orig_params=use_orig_params,
+        **extra,
+    )
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, nn.Linear)
+    )
+    names = {"buffers": [name for name, _ in model.named_buffers()]}
+    with Engine.summon_full_params(model):
+        names["summoned parameters"] = [name for name, _ in model.named_parameters()]
+        names["summoned buffers"] = [name for name, _ in model.named_buffers()]
+    return names
+
+
+def _names_as_torchs(use_orig_params: bool) -> None:
+    ours = _names_in_and_out_of_summon("fullshard", use_orig_params)
+    theirs = _names_in_and_out_of_summon("torch", use_orig_params)
+    assert ours == theirs, (ours, theirs)
+    assert "0.norm.running_mean" in ours["summoned buffers"]
+    if use_orig_params:
+        assert "0.lin._checkpoint_wrapped_module.weight" in ours["summoned parameters"]
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_names_inside_summon_drop_fsdps_prefix_only_as_torchs(use_orig_params: bool) -> None:
+    """Inside ``summon_full_params`` torch's ``named_parameters`` and ``named_buffers`` drop
+    FSDP's ``_fsdp_wrapped_module.`` and keep activation checkpointing's
+    ``_checkpoint_wrapped_module.``. fullshard dropped both from parameters' names, and kept
+    FSDP's in buffers' names (it had no ``named_buffers``)."""
+    run_on_ranks(2, _names_as_torchs, use_orig_params)
