@@ -292,6 +292,28 @@ class FullyShardedDataParallel(TorchAttributes, StateDictMethods, nn.Module):
             )
         return clip_grad_norm_(self._unit, max_norm, norm_type)
 
+    def register_comm_hook(self, state: object, hook: Callable[..., None]) -> None:
+        """Reduce every unit's gradients with ``hook`` instead of fullshard's collectives:
+        ``hook(state, grad)`` in place under NO_SHARD, ``hook(state, padded_grad, output)``
+        into this rank's shard otherwise (torch's ``default_hooks`` have both forms; see
+        [Note: communication hooks] in ``_engine/grads.py``). Register it on the root, once,
+        before the first forward; not with hybrid strategies."""
+        if not self.check_is_root():
+            raise AssertionError("register_comm_hook can only be called on a root instance.")
+        for unit in units_in(self):
+            strategy = unit.settings.sharding.strategy
+            if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
+                raise AssertionError(
+                    f"Communication hook is not supported for hybrid strategies: {strategy}"
+                )
+            handle = unit.handle
+            if handle is not None and handle.comm_hook is not None:
+                raise AssertionError("A communication hook is already registered")
+            if not callable(hook):
+                raise ValueError(f"The communication hook must be callable but got {hook}")
+            if handle is not None:
+                handle.comm_hook = (state, hook)
+
     # -- state dicts ------------------------------------------------------------------------
 
     def state_dict(

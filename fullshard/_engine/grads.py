@@ -43,6 +43,31 @@ class _PendingReduction:
     """``unsharded_grad`` is the engine's alone (taken off the leaf, or a padded or cast
     copy of it): once the reduction is done its memory goes to the next unit-sized buffer
     (see [Note: reusing unsharded memory])."""
+    keeps_dtype: bool = False
+    """A low-precision communication hook reduced it: the hook has cast the result back to
+    its state's ``parameter_type``, which the gradient keeps, as in torch."""
+
+
+# [Note: communication hooks]
+# FSDP1's ``register_comm_hook(state, hook)`` replaces a unit's gradient reduction with the
+# user's: ``hook(state, grad)`` reduces the whole gradient in place (NO_SHARD),
+# ``hook(state, padded_grad, output)`` reduce-scatters it into ``output``, this rank's shard
+# (sharded strategies), as torch's ``default_hooks`` do with ``dist`` collectives of their
+# own, called synchronously in the post-backward. The hook divides (torch's
+# ``DefaultState`` holds the factors), so the engine does not. The gradient reaches the hook
+# in ``reduce_dtype``, except for torch's low-precision hooks (``fp16_compress_hook``,
+# ``bf16_compress_hook``), which get it as computed, cast it themselves and cast the result
+# to their state's ``parameter_type``, which the gradient then keeps (torch's rule). The
+# result is accumulated into ``.grad`` like the engine's own, and the shared-memory
+# transport is drained first, since the hook blocks in collectives fullshard does not see
+# ([Note: draining] in ``collectives.py``).
+
+
+def is_low_precision_hook(hook: Callable[..., None]) -> bool:
+    """torch's ``fp16_compress_hook`` or ``bf16_compress_hook`` (its LOW_PRECISION_HOOKS)."""
+    from torch.distributed.algorithms._comm_hooks import LOW_PRECISION_HOOKS
+
+    return hook in LOW_PRECISION_HOOKS
 
 
 def _owns_its_storage(tensor: torch.Tensor) -> bool:
@@ -109,6 +134,7 @@ class GradReduction:
         all_reduce_hook: Callable[[torch.Tensor], None] | None
         all_reduce_hook_stream: Any
         custom_reduce_scatter: Any
+        comm_hook: tuple[Any, Callable[..., None]] | None
         reduce_unused_params: bool
         _dtensor_params: DTensorParams | None
         _post_backward_hook: Callable[[], None] | None
@@ -139,6 +165,9 @@ class GradReduction:
         self.all_reduce_hook_stream = None
         self.custom_reduce_scatter = None
         """FSDP2's ``set_custom_reduce_scatter``: the comm that replaces the transport's."""
+        self.comm_hook = None
+        """FSDP1's ``register_comm_hook``: ``(state, hook)``; see [Note: communication
+        hooks]."""
         self.reduce_unused_params = False
         """FSDP2's ``set_reduce_scatter_unused_params``: see [Note: parameters without a
         gradient]."""
@@ -195,6 +224,9 @@ class GradReduction:
             self.finalize_grad()
         # A unit unsharded in full precision (eval) reduces in full precision too.
         computed_dtype = grad.dtype
+        if self.comm_hook is not None:
+            self._pending_reduction = self._reduce_with_hook(grad, *self.comm_hook)
+            return
         ran_in_param_dtype = grad.dtype == self._fwd_bwd_param_dtype
         reduce_dtype = self._reduce_dtype if ran_in_param_dtype else grad.dtype
         predivide, postdivide = self._divide_factors(reduce_dtype)
@@ -235,6 +267,37 @@ class GradReduction:
             computed_dtype,
             received,
             recycle_input=self.custom_reduce_scatter is None,
+        )
+
+    def _reduce_with_hook(
+        self, grad: torch.Tensor, state: Any, hook: Callable[..., None]
+    ) -> _PendingReduction:
+        """Reduce ``grad`` with a communication hook (see [Note: communication hooks]):
+        ``hook(state, grad)`` in place under NO_SHARD, else ``hook(state, padded_grad,
+        shard)``; the hook divides, so nothing is divided here."""
+        computed_dtype = grad.dtype
+        low_precision = is_low_precision_hook(hook)
+        if not low_precision and grad.dtype == self._fwd_bwd_param_dtype:
+            grad = grad.to(self._reduce_dtype)
+        comm.drain_transports()  # the hook blocks in collectives of its own
+        kind = "reduce_scatter" if self.uses_sharded_strategy else "all_reduce"
+        if not self.uses_sharded_strategy:
+            hook(state, grad)
+            reduced = grad
+        else:
+            layout = self._segments[0].layout
+            padding = layout.padded_numel - grad.numel()
+            if padding:
+                grad = torch.nn.functional.pad(grad, (0, padding))
+            reduced = grad.new_empty(layout.shard_numel)
+            hook(state, grad, reduced)  # a low-precision hook replaces ``reduced.data``
+        return _PendingReduction(
+            comm.completed(kind, self.label, self.groups.shard),
+            reduced,
+            grad,
+            1.0,
+            computed_dtype,
+            keeps_dtype=low_precision,
         )
 
     def _divide_factors(self, reduce_dtype: torch.dtype) -> tuple[float, float]:
@@ -288,6 +351,8 @@ class GradReduction:
         if pending.postdivide > 1:
             reduced.div_(pending.postdivide)
         dtype = pending.computed_dtype if self._keep_low_precision_grads else self._orig_param_dtype
+        if pending.keeps_dtype:
+            dtype = reduced.dtype
         reduced = reduced.to(device=self._shard_device, dtype=dtype)
         self.sync_orig_grads()
         flat_grad = self.flat_param.grad
