@@ -21,8 +21,11 @@ independently, so checkpoints move between doors, between torch's engine and ful
 between shardings. The resumed run's global losses, final parameters and optimizer state
 must be the uninterrupted run's.
 
-CI runs FULLSHARD_FUZZ_EXAMPLES (default 30) examples on 2 ranks and a fifth as many on 4,
-with and without tensor parallelism.
+A last test saves on 2, 3 or 4 ranks and resumes on another of them, DCP resharding the
+checkpoint.
+
+CI runs FULLSHARD_FUZZ_EXAMPLES (default 30) examples on 2 ranks, a fifth as many on 4 with
+and without tensor parallelism, and a sixth across world sizes.
 """
 
 from __future__ import annotations
@@ -71,9 +74,9 @@ without ``use_orig_params``. Not torch's FSDP1: on CPU ranks torch 2.13's cannot
 at the load) and its rank 0 crashes (SIGSEGV) loading a full state dict with
 ``broadcast_from_rank0`` (docs/conformance.md)."""
 FSDP2_ENGINES = ("fullshard", "torch")
-GLOBAL_BATCH = 8
-"""Rows of one step's batch, split over the data-parallel ranks (2 or 4), so every layout
-computes the same global loss."""
+GLOBAL_BATCH = 12
+"""Rows of one step's batch, split over the data-parallel ranks (2, 3 or 4), so every layout
+and world size computes the same global loss."""
 STEPS, SAVED_AT = 4, 2
 
 
@@ -380,6 +383,11 @@ def _interrupted(tree: Tree, resume: Resume, path: str) -> dict[str, Any]:
 def _compare(tree: Tree, resume: Resume, path: str) -> str:
     expected = _uninterrupted(tree, resume)
     got = _interrupted(tree, resume, path)
+    _assert_resumed(got, expected, resume)
+    return f"{_label(resume.saved)} -> {_label(resume.resumed)}"
+
+
+def _assert_resumed(got: dict[str, Any], expected: dict[str, Any], resume: Resume) -> None:
     # fp32: the sides' reductions may add in another order (HSDP against a 1-D mesh). bf16:
     # the sides round to bf16 at other points (FSDP1 casts the root's inputs only), as
     # `test_fuzz_fully_shard` allows between torch's engine and fullshard's.
@@ -396,7 +404,6 @@ def _compare(tree: Tree, resume: Resume, path: str) -> str:
         torch.testing.assert_close(
             got["values"][name], value, rtol=rel, atol=rel * scale * share, msg=name
         )
-    return f"{_label(resume.saved)} -> {_label(resume.resumed)}"
 
 
 def _label(side: Side) -> str:
@@ -454,3 +461,60 @@ def test_fuzzed_resume_with_tensor_parallel_sides_trains_as_the_uninterrupted_ru
     example: tuple[Tree, Resume],
 ) -> None:
     _check(4, example)
+
+
+# -- across world sizes ------------------------------------------------------------------
+
+
+def _saved_uninterrupted(tree: Tree, resume: Resume, path: str) -> dict[str, Any]:
+    """On the saving world: the uninterrupted run's outcome, and the first half's losses
+    with its checkpoint in ``path``."""
+    return {"expected": _uninterrupted(tree, resume), "first": _save(tree, resume, path)}
+
+
+def _resumed_elsewhere(tree: Tree, resume: Resume, path: str) -> dict[str, Any]:
+    model, optim = _resume(tree, resume, path)
+    return _outcome(model, optim, _steps(model, optim, range(SAVED_AT, STEPS), resume.resumed))
+
+
+@st.composite
+def resharded(draw: st.DrawFn) -> tuple[int, int, Tree, Resume]:
+    """A checkpoint saved on one world size and resumed on another."""
+    saved_on, resumed_on = draw(st.sampled_from([(2, 4), (4, 2), (2, 3), (3, 2), (4, 3)]))
+    tree = draw(trees())
+    saved, resumed = draw(sides(tree, saved_on)), draw(sides(tree, resumed_on))
+    flat = "fullshard-fsdp1-flat" in (saved.engine, resumed.engine)
+    return (
+        saved_on,
+        resumed_on,
+        _fitted(tree, saved, resumed),
+        Resume(
+            draw(st.sampled_from(["none", "bf16"])),
+            draw(st.sampled_from(["sgd", "adam", "adamw"])),
+            not flat and draw(st.booleans()),
+            draw(st.booleans()),
+            saved,
+            resumed,
+        ),
+    )
+
+
+@_fuzz_settings(max(1, EXAMPLES // 6))
+@given(example=resharded())
+def test_fuzzed_resume_on_another_world_size_trains_as_the_uninterrupted_run(
+    example: tuple[int, int, Tree, Resume],
+) -> None:
+    """Saved on 2, 3 or 4 ranks, resumed on another of them (each side's layout drawn for
+    its own world): DCP reshards the checkpoint, and the resumed run is the uninterrupted
+    one's."""
+    saved_on, resumed_on, tree, resume = example
+    path = tempfile.mkdtemp(prefix="fullshard-resume-")
+    try:
+        first = run_on_ranks(saved_on, _saved_uninterrupted, tree, resume, path, timeout=240)
+        second = run_on_ranks(resumed_on, _resumed_elsewhere, tree, resume, path, timeout=240)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    expected = first[0]["expected"]
+    got = {"losses": first[0]["first"] + second[0]["losses"], "values": second[0]["values"]}
+    _assert_resumed(got, expected, resume)
+    event(f"{saved_on} -> {resumed_on}: {_label(resume.saved)} -> {_label(resume.resumed)}")
