@@ -141,25 +141,25 @@ def sides(draw: st.DrawFn, tree: Tree, world: int, tp: bool = False) -> Side:
 @st.composite
 def resumes(draw: st.DrawFn, world: int) -> tuple[Tree, Resume]:
     tree = draw(trees())
-    precision = draw(st.sampled_from(["none", "bf16"]))
-    optimizer = draw(st.sampled_from(["sgd", "adam", "adamw"]))
-    saved, resumed = draw(sides(tree, world)), draw(sides(tree, world))
-    # A flat parameter holds weights and biases alike (one group), and the never-called
-    # block's parameters too, which its optimizer then steps with zero gradients (AdamW
-    # decays them) where the others' never step them: no such block beside it.
+    return _completed(draw, tree, draw(sides(tree, world)), draw(sides(tree, world)))
+
+
+def _completed(draw: st.DrawFn, tree: Tree, saved: Side, resumed: Side) -> tuple[Tree, Resume]:
+    """The tree both sides can train, and the rest of the example drawn: precision,
+    optimizer, parameter groups, format. A flat parameter holds weights and biases alike (one
+    group), and the never-called block's parameters too, which its optimizer then steps with
+    zero gradients (AdamW decays them) where the others' never step them: no such block
+    beside it."""
     flat = "fullshard-fsdp1-flat" in (saved.engine, resumed.engine)
-    decay_groups = not flat and draw(st.booleans())
-    return _fitted(tree, saved, resumed), Resume(
-        precision, optimizer, decay_groups, draw(st.booleans()), saved, resumed
+    tree = dataclasses.replace(tree, unused_block=tree.unused_block and not flat)
+    return tree, Resume(
+        draw(st.sampled_from(["none", "bf16"])),
+        draw(st.sampled_from(["sgd", "adam", "adamw"])),
+        not flat and draw(st.booleans()),
+        draw(st.booleans()),
+        saved,
+        resumed,
     )
-
-
-def _fitted(tree: Tree, saved: Side, resumed: Side) -> Tree:
-    """``tree`` without a never-called block where a side has a flat parameter: see
-    `resumes`."""
-    if "fullshard-fsdp1-flat" in (saved.engine, resumed.engine):
-        return dataclasses.replace(tree, unused_block=False)
-    return tree
 
 
 @st.composite
@@ -171,16 +171,7 @@ def tp_resumes(draw: st.DrawFn) -> tuple[Tree, Resume]:
     tree = dataclasses.replace(tree, widths=even, tie=None)
     which = draw(st.sampled_from(["saved", "resumed", "both"]))
     saved = draw(sides(tree, 4, tp=which != "resumed"))
-    resumed = draw(sides(tree, 4, tp=which != "saved"))
-    flat = "fullshard-fsdp1-flat" in (saved.engine, resumed.engine)
-    return _fitted(tree, saved, resumed), Resume(
-        draw(st.sampled_from(["none", "bf16"])),
-        draw(st.sampled_from(["sgd", "adam", "adamw"])),
-        not flat and draw(st.booleans()),
-        draw(st.booleans()),
-        saved,
-        resumed,
-    )
+    return _completed(draw, tree, saved, draw(sides(tree, 4, tp=which != "saved")))
 
 
 def _mesh(side: Side) -> Any:
@@ -483,20 +474,7 @@ def resharded(draw: st.DrawFn) -> tuple[int, int, Tree, Resume]:
     saved_on, resumed_on = draw(st.sampled_from([(2, 4), (4, 2), (2, 3), (3, 2), (4, 3)]))
     tree = draw(trees())
     saved, resumed = draw(sides(tree, saved_on)), draw(sides(tree, resumed_on))
-    flat = "fullshard-fsdp1-flat" in (saved.engine, resumed.engine)
-    return (
-        saved_on,
-        resumed_on,
-        _fitted(tree, saved, resumed),
-        Resume(
-            draw(st.sampled_from(["none", "bf16"])),
-            draw(st.sampled_from(["sgd", "adam", "adamw"])),
-            not flat and draw(st.booleans()),
-            draw(st.booleans()),
-            saved,
-            resumed,
-        ),
-    )
+    return (saved_on, resumed_on, *_completed(draw, tree, saved, resumed))
 
 
 @_fuzz_settings(max(1, EXAMPLES // 6))
