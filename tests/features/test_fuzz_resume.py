@@ -125,13 +125,16 @@ def sides(draw: st.DrawFn, tree: Tree, world: int, tp: bool = False) -> Side:
     hsdp, tp = layout == "hsdp", layout == "tp"
     shard = 2 if hsdp or tp else world
     sizes = [k for k in range(1, shard + 1) if shard % k == 0]
+    # dim 1 must split evenly: the head's and first layers' DIM columns, and a second
+    # layer's width where it is wider than DIM (`_dim1_when_wider`)
+    dim1_splits = all(cols % shard == 0 for cols in (DIM, *tree.widths) if cols >= DIM)
     return Side(
         engine,
         tuple(sorted(draw(st.sets(st.sampled_from(blocks), max_size=len(blocks)))))
         if blocks
         else (),
         draw(st.sampled_from([True, False, *sizes])),
-        not tp and DIM % shard == 0 and draw(st.booleans()),  # dim 1 must split evenly
+        not tp and dim1_splits and draw(st.booleans()),
         draw(st.booleans()),
         hsdp,
         tp,
@@ -389,7 +392,8 @@ def _assert_resumed(got: dict[str, Any], expected: dict[str, Any], resume: Resum
         expected["losses"],
     )
     assert got["values"].keys() == expected["values"].keys()
-    present = [v for v in expected["values"].values() if v is not None and v.numel()]
+    # the tolerance's scale: the parameters' and moments' magnitudes, not Adam's step count
+    present = [v for k, v in expected["values"].items() if v.numel() and not k.endswith(" step")]
     scale = max((float(v.abs().max()) for v in present), default=1.0)
     for name, value in expected["values"].items():
         torch.testing.assert_close(
