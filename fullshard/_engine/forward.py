@@ -126,8 +126,7 @@ def cast_inputs(unit: Unit, args: Any, kwargs: Any) -> tuple[Any, Any]:
         cast = mixed_precision.cast_forward_inputs
     if not cast:
         return args, kwargs
-    cast_args, cast_kwargs = cast_floating(mixed_precision.param_dtype, (args, kwargs))
-    return cast_args, cast_kwargs
+    return cast_floating(mixed_precision.param_dtype, (args, kwargs))
 
 
 def forward_in_summon(unit: Unit, fn: Any, args: Any, kwargs: Any) -> Any:

@@ -222,11 +222,11 @@ class GradReduction:
         """Issue the reduction of ``grad``, an unsharded gradient (the leaf's, taken off it)."""
         if self._pending_reduction is not None:  # a second backward before the first finished
             self.finalize_grad()
-        # A unit unsharded in full precision (eval) reduces in full precision too.
-        computed_dtype = grad.dtype
         if self.comm_hook is not None:
             self._pending_reduction = self._reduce_with_hook(grad, *self.comm_hook)
             return
+        # A unit unsharded in full precision (eval) reduces in full precision too.
+        computed_dtype = grad.dtype
         ran_in_param_dtype = grad.dtype == self._fwd_bwd_param_dtype
         reduce_dtype = self._reduce_dtype if ran_in_param_dtype else grad.dtype
         predivide, postdivide = self._divide_factors(reduce_dtype)

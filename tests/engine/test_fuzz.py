@@ -136,10 +136,13 @@ def tree_specs(draw: st.DrawFn) -> TreeSpec:
     )
 
 
-def config_specs_with(offload: st.SearchStrategy[bool]) -> st.SearchStrategy[ConfigSpec]:
+def config_specs_with(
+    offload: st.SearchStrategy[bool],
+    strategies: tuple[str, ...] = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"),
+) -> st.SearchStrategy[ConfigSpec]:
     return st.builds(
         ConfigSpec,
-        strategy=st.sampled_from(["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]),
+        strategy=st.sampled_from(strategies),
         use_orig_params=st.booleans(),
         wrap=st.sampled_from(["none", "blocks", "size"]),
         mixed_precision=st.booleans(),

@@ -61,13 +61,8 @@ class LoopSpec:
     wrapping as accelerate does: the state dicts must still have the plain model's keys."""
 
 
-hybrid_configs = st.builds(
-    ConfigSpec,
-    strategy=st.sampled_from(["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]),
-    use_orig_params=st.booleans(),
-    wrap=st.sampled_from(["none", "blocks", "size"]),
-    mixed_precision=st.booleans(),
-    offload=st.just(False),
+hybrid_configs = config_specs_with(
+    offload=st.just(False), strategies=("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 )
 """HYBRID_SHARD and _HYBRID_SHARD_ZERO2 on a 2 x 2 mesh of 4 ranks."""
 
@@ -240,17 +235,23 @@ def _compare(tree: TreeSpec, config: ConfigSpec, loop: LoopSpec) -> str:
     return "ok"
 
 
+def _check(
+    world: int, tree: TreeSpec, config: ConfigSpec, loop: LoopSpec, timeout: float = 120
+) -> None:
+    # Not a weight tied across auto-wrapped blocks: torch's FSDP1 trains that silently
+    # differently from DDP, fullshard as DDP (test_fuzz, docs/conformance.md).
+    assume(tree.tie is None or config.wrap == "none")
+    outcome = run_on_ranks(world, _compare, tree, config, loop, timeout=timeout)
+    assert len(set(outcome)) == 1, outcome
+    event(outcome[0])
+
+
 @_fuzz_settings(EXAMPLES)
 @given(tree=tree_specs(), config=configs, loop=loops)
 def test_fuzzed_fsdp1_door_trains_as_torchs_fsdp1(
     tree: TreeSpec, config: ConfigSpec, loop: LoopSpec
 ) -> None:
-    # Not a weight tied across auto-wrapped blocks: torch's FSDP1 trains that silently
-    # differently from DDP, fullshard as DDP (test_fuzz, docs/conformance.md).
-    assume(tree.tie is None or config.wrap == "none")
-    outcome = run_on_ranks(2, _compare, tree, config, loop, timeout=120)
-    assert outcome[0] == outcome[1], outcome
-    event(outcome[0])
+    _check(2, tree, config, loop)
 
 
 @_fuzz_settings(max(1, EXAMPLES // 4))
@@ -258,14 +259,11 @@ def test_fuzzed_fsdp1_door_trains_as_torchs_fsdp1(
 def test_fuzzed_fsdp1_door_trains_as_torchs_fsdp1_on_three_ranks(
     tree: TreeSpec, config: ConfigSpec, loop: LoopSpec
 ) -> None:
-    assume(tree.tie is None or config.wrap == "none")
     # fp16 reductions over 3 ranks round in the transport's order (gloo's ring sums in an
     # order that differs by rank), and Adam turns a last-bit difference in a gradient near
     # zero into a step of lr (0.01 after 2 steps in one example): SGD only there.
     assume(not config.mixed_precision or loop.optimizer == "sgd")
-    outcome = run_on_ranks(3, _compare, tree, config, loop, timeout=120)
-    assert len(set(outcome)) == 1, outcome
-    event(outcome[0])
+    _check(3, tree, config, loop)
 
 
 @_fuzz_settings(max(1, EXAMPLES // 8))
@@ -273,7 +271,4 @@ def test_fuzzed_fsdp1_door_trains_as_torchs_fsdp1_on_three_ranks(
 def test_fuzzed_fsdp1_door_hybrid_shards_as_torchs_fsdp1(
     tree: TreeSpec, config: ConfigSpec, loop: LoopSpec
 ) -> None:
-    assume(tree.tie is None or config.wrap == "none")
-    outcome = run_on_ranks(4, _compare, tree, config, loop, timeout=180)
-    assert len(set(outcome)) == 1, outcome
-    event(outcome[0])
+    _check(4, tree, config, loop, timeout=180)
