@@ -239,17 +239,12 @@ def _exchange_metadata(
 def _merge(keys: dict[str, _StateMeta], key: str, meta: _StateMeta, fqn: str, rank: int) -> None:
     """Keep the first description of ``key`` by a rank holding elements of the parameter, or
     by any rank where none does (see [Note: scalar states of a parameter a rank holds none
-    of]); holders must agree on a scalar."""
+    of]); holders must agree on a scalar or a non-tensor state."""
     known = keys.get(key)
     if known is None or (meta.holds and not known.holds):
         keys[key] = meta
         return
-    both_hold = meta.holds and known.holds
-    if (
-        both_hold
-        and meta.kind == known.kind == "scalar"
-        and not torch.equal(meta.value, known.value)
-    ):
+    if meta.holds and known.holds and not _same_value(meta, known):
         raise RuntimeError(
             f"Rank {rank} has different values for {key}: {meta.value}. Other ranks: "
             f"{known.value}. (fullshard: optimizer state '{key}' of {fqn!r} differs "
@@ -257,6 +252,19 @@ def _merge(keys: dict[str, _StateMeta], key: str, meta: _StateMeta, fqn: str, ra
             "them differently; every rank must step the same optimizer over the same "
             "parameters)"
         )
+
+
+def _same_value(meta: _StateMeta, known: _StateMeta) -> bool:
+    """Whether two holders' descriptions of a scalar or non-tensor state agree (torch
+    compares both; a tensor state is gathered, not compared)."""
+    if meta.kind != known.kind or meta.kind == "tensor":
+        return True
+    if meta.kind == "scalar":
+        return torch.equal(meta.value, known.value)
+    try:
+        return bool(meta.value == known.value)
+    except (TypeError, ValueError, RuntimeError):  # == gives no truth value (an array, say)
+        return True
 
 
 def _check_same_managed(every: list[_RankView]) -> None:

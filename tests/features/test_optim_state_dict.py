@@ -534,13 +534,23 @@ def _steps_of_parameters_held_elsewhere() -> None:
         every.state[params[0]]["step"] = torch.tensor(9.0)
     with pytest.raises(RuntimeError, match=r"Rank 1 has different values for step.*'0.weight'"):
         FSDP.optim_state_dict(model, every)
+    # Non-tensor states likewise: the holders' value (rank 0 holds none of 0.bias), and an
+    # error where holders disagree.
+    every.state[params[0]]["step"] = torch.tensor(3.0)
+    every.state[params[1]]["note"] = "stale" if dist.get_rank() == 0 else "fresh"
+    full = FSDP.optim_state_dict(model, every)
+    assert full["state"]["0.bias"]["note"] == "fresh", full["state"]["0.bias"]
+    every.state[params[0]]["note"] = dist.get_rank()
+    with pytest.raises(RuntimeError, match=r"Rank 1 has different values for note: 1\b"):
+        FSDP.optim_state_dict(model, every)
 
 
 def test_scalar_states_come_from_the_ranks_that_hold_the_parameter() -> None:
     """Under use_orig_params a rank holding none of a parameter's elements never steps it, so
     its Adam ``step`` there is whatever torch's ``get_optimizer_state_dict`` or a load left: the
     state dict takes the holders' (it gave rank 0 a step of 1 for the second layer, which rank
-    1 had stepped 3 times). Holders that disagree raise, as in torch."""
+    1 had stepped 3 times), and non-tensor states likewise. Holders that disagree raise, as in
+    torch."""
     run_on_ranks(2, _steps_of_parameters_held_elsewhere)
 
 
