@@ -434,6 +434,6 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     @functools.wraps(method)
     def as_forward(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = enter(state, module, args, kwargs)
-        return leave(state, args, kwargs, method(*args, **kwargs))
+        return leave(state, (args, kwargs), method(*args, **kwargs))
 
     setattr(module, method_name, as_forward)

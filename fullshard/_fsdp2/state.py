@@ -65,6 +65,12 @@ class ShardedModule:
     the group's next forward: the last one raised before the group's end)."""
     opened_in: int | None = None
     """A group in forward: the root's forward it began in (`RootState.forwards`)."""
+    group_inputs: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
+    """A group in forward: each of its modules' inputs (as cast). They are the group's
+    forward's inputs: a unit with frozen parameters reshards in backward once all their
+    gradients are computed ([Note: resharding units with frozen parameters] in
+    runtime.py). The last module's alone let a frozen group reshard before its earlier
+    modules' backward had read their parameters."""
 
     @property
     def unit(self) -> Unit:
@@ -76,6 +82,7 @@ class ShardedModule:
         self.input_dtypes.clear()
         self.yet_to_run.clear()
         self.started.clear()
+        self.group_inputs.clear()
         OPEN_GROUPS.discard(self)
 
 
@@ -97,12 +104,15 @@ def pre_forward(state: ShardedModule, module: nn.Module, args: Any, kwargs: Any)
             state.forget_forward()  # left open by modules run outside the root's last forward
         if state.yet_to_run and module not in state.started:
             state.started.append(module)  # the group's forward began at an earlier module
-            return _forward.cast_inputs(state.unit, args, kwargs)
+            args, kwargs = _forward.cast_inputs(state.unit, args, kwargs)
+            state.group_inputs.append((args, kwargs))
+            return args, kwargs
         if state.yet_to_run:  # this module again before the group's end: a forward raised
             state.input_dtypes.clear()
         state.yet_to_run, state.started = list(state.members), [module]
         OPEN_GROUPS.add(state)
         args, kwargs = enter(state, module, args, kwargs)
+        state.group_inputs = [(args, kwargs)]
         state.opened_in = _root_forwards(state)  # after enter: a root group begins a forward
         return args, kwargs
     return enter(state, module, args, kwargs)
@@ -118,9 +128,18 @@ def post_forward(
                 output = _forward.cast_floating(state.output_dtype, output)
             return output
         OPEN_GROUPS.discard(state)
+        inputs: Any = _take_group_inputs(state)
+    else:
+        inputs = (args, kwargs)
     if state.unit.runtime.is_root:
         output = _close_open_groups(state, output)
-    return leave(state, args, kwargs, output)
+    return leave(state, inputs, output)
+
+
+def _take_group_inputs(state: ShardedModule) -> tuple[tuple[Any, Any], ...]:
+    inputs = tuple(state.group_inputs)
+    state.group_inputs.clear()
+    return inputs
 
 
 def _tracks_group_forward(state: ShardedModule) -> bool:
@@ -151,7 +170,7 @@ def _close_open_groups(root: ShardedModule, output: Any) -> Any:
         OPEN_GROUPS.discard(group)
         group.yet_to_run.clear()
         group.started.clear()
-        output = leave(group, (), {}, output)
+        output = leave(group, _take_group_inputs(group), output)
     return output
 
 
@@ -185,12 +204,13 @@ def _forget_recomputations() -> None:
     RECOMPUTED.clear()
 
 
-def leave(state: ShardedModule, args: Any, kwargs: Any, output: Any) -> Any:
-    """Each unit's post-forward, the attached one last (the root's ends the forward)."""
+def leave(state: ShardedModule, inputs: Any, output: Any) -> Any:
+    """Each unit's post-forward, the attached one last (the root's ends the forward);
+    ``inputs``: the forward's (``(args, kwargs)``, or a group's modules' all)."""
     input_dtype = state.input_dtypes.pop()
     for sibling in state.units[:0:-1]:
-        output = _forward.after_forward(sibling, output, None, (args, kwargs))
-    output = _forward.after_forward(state.unit, output, input_dtype, (args, kwargs))
+        output = _forward.after_forward(sibling, output, None, inputs)
+    output = _forward.after_forward(state.unit, output, input_dtype, inputs)
     if state.output_dtype is not None:
         output = _forward.cast_floating(state.output_dtype, output)
     return output
