@@ -422,7 +422,7 @@ def _compare(tree: Tree, config: Config) -> str:
         # other's, so the last bit differs (half a bf16 step at most after the first
         # backward), and an example whose loss grows tenfold in a step turns that into
         # 20% by the third. The first step is what the two can be held to.
-        kinds, compared = ("first_grads",), 1 + config.eval_forward
+        kinds, compared = ("first_grads",), config.eval_forward + 1 + config.accumulate
     assert ours["losses"][:compared] == pytest.approx(
         theirs["losses"][:compared], rel=rel, abs=rel / 10
     ), (ours["losses"], theirs["losses"])
