@@ -304,7 +304,8 @@ def _train(engine: str, tree: Tree, config: Config) -> dict[str, Any]:
             if config.clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             grads = {name: _full(p.grad) for name, p in model.named_parameters()}
-            first_grads = first_grads or grads
+            if step == 0:
+                first_grads = grads
             optim.step()
             optim.zero_grad(set_to_none=config.set_to_none)
         state = {name: _full(value) for name, value in model.state_dict().items()}
@@ -321,13 +322,19 @@ def _train(engine: str, tree: Tree, config: Config) -> dict[str, Any]:
     }
 
 
+def _tied_group(tree: Tree, config: Config) -> tuple[int, ...]:
+    """The tied blocks that share one ``fully_shard([block_i, block_j])`` call, if any."""
+    tie = tree.tie
+    grouped = config.group_tied and tie is not None and set(tie) <= set(config.units)
+    return tie if grouped and tie is not None else ()
+
+
 def _shard_model(api: Any, model: Net, config: Config, mesh: Any) -> None:
     kwargs = _kwargs(api, config, mesh)
-    units: list[Any] = [model.blocks[index] for index in config.units]
-    tie = model.tree.tie
-    if config.group_tied and tie is not None and set(tie) <= set(config.units):
-        units = [unit for index, unit in zip(config.units, units) if index not in tie]
-        units.append([model.blocks[index] for index in tie])
+    group = _tied_group(model.tree, config)
+    units: list[Any] = [model.blocks[index] for index in config.units if index not in group]
+    if group:
+        units.append([model.blocks[index] for index in group])
     for unit in units:
         api.fully_shard(unit, **kwargs)
     if config.ignore_head_bias:
@@ -345,9 +352,8 @@ def _call_setters(api: Any, model: Net, config: Config) -> None:
             unit.set_force_sum_reduction_for_comms(True)
     if "prefetch" in config.setters:
         # blocks with a unit of their own, in forward order (a tied group's are left out)
-        tie = model.tree.tie
-        grouped = set(tie) if config.group_tied and tie and set(tie) <= set(config.units) else set()
-        own = [model.blocks[index] for index in config.units if index not in grouped]
+        group = _tied_group(model.tree, config)
+        own = [model.blocks[index] for index in config.units if index not in group]
         for before, after in itertools.pairwise(own):
             before.set_modules_to_forward_prefetch([after])
             after.set_modules_to_backward_prefetch([before])
