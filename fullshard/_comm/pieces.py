@@ -73,9 +73,13 @@ class AllGather(Op):
     ) -> None:
         super().__init__("all_gather", shard.numel(), shard.dtype, cell // shard.element_size())
         self.shard, self.rank, self.full_numel = shard, rank, output.numel()
+        numel = self.numel
 
         def into_output(peer: int, start: int, data: torch.Tensor) -> None:
-            begin = peer * self.numel + start  # rank after rank, ``numel`` each
+            # No reference to ``self``: a cycle through the sink would keep the op, and the
+            # shard it holds (a cast copy under mixed precision), alive until Python's cycle
+            # collector runs.
+            begin = peer * numel + start  # rank after rank, ``numel`` each
             output[begin : begin + data.numel()].copy_(data)
 
         self.sink: Sink = sink if sink is not None else into_output  # a sink: output unused
