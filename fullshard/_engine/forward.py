@@ -112,18 +112,22 @@ def after_forward(unit: Unit, output: Any, input_dtype: torch.dtype | None, inpu
 
 
 def cast_inputs(unit: Unit, args: Any, kwargs: Any) -> tuple[Any, Any]:
-    """The inputs in the policy's ``param_dtype`` where it casts them (the root's by
-    ``cast_root_forward_inputs``, the others' by ``cast_forward_inputs``). Also each later
-    module of a group (``fully_shard([a, b])``), as torch 2.13 casts every module's."""
+    """The inputs in the policy's ``param_dtype`` where it casts them. Also each later
+    module of a group (``fully_shard([a, b])``), as torch 2.13 casts every module's.
+
+    torch's FSDP1 casts in two hooks: the root's (``cast_root_forward_inputs``) and every
+    unit's own (``cast_forward_inputs``, only for a unit with parameters), so a root with
+    parameters casts if either flag is set. ``fully_shard`` casts every module's inputs by
+    its policy's one flag (the engine's two are set alike), parameters or not."""
     mixed_precision = unit.mixed_precision
     if mixed_precision is None or mixed_precision.param_dtype is None:
         return args, kwargs
     if unit.forces_full_precision():
         return args, kwargs
+    fully_shard = unit.settings.mp_policy is not None
+    cast = mixed_precision.cast_forward_inputs and (fully_shard or unit.handle is not None)
     if unit.runtime.is_root:
-        cast = mixed_precision.cast_root_forward_inputs
-    else:
-        cast = mixed_precision.cast_forward_inputs
+        cast = cast or mixed_precision.cast_root_forward_inputs
     if not cast:
         return args, kwargs
     return cast_floating(mixed_precision.param_dtype, (args, kwargs))

@@ -258,6 +258,59 @@ def test_buffers_and_inputs_cast_for_compute() -> None:
     assert by_flag[False]["eval"] == (BF16, BF16, BF16)
 
 
+class _Seen(nn.Module):
+    """Records the dtype of its input, then runs ``body`` on it in fp16 (the compute dtype)
+    and ``after`` on the body's output in fp32."""
+
+    def __init__(self, body: nn.Module, after: nn.Module | None = None) -> None:
+        super().__init__()
+        self.body, self.after = body, after
+        self.seen: list[torch.dtype] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.dtype)
+        out = self.body(x.to(torch.float16)).float()
+        return out if self.after is None else self.after(out)
+
+
+def _input_dtypes_by_flags(engine: str, cast_forward: bool, cast_root: bool) -> list[str]:
+    """The dtypes the root, a nested unit without parameters of its own and a nested unit
+    with parameters see, under ``engine``'s FSDP1."""
+    if engine == "torch":
+        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+        from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+
+        wrap: Any = functools.partial(TorchFSDP, device_id=torch.device("cpu"))
+        policy: Any = TorchMixedPrecision
+    else:
+        wrap, policy = FSDP, MixedPrecision
+    mp = policy(
+        param_dtype=torch.float16,
+        cast_forward_inputs=cast_forward,
+        cast_root_forward_inputs=cast_root,
+    )
+    torch.manual_seed(0)
+    leaf = _Seen(nn.Linear(4, 4))
+    bare = _Seen(wrap(leaf, mixed_precision=mp))  # no parameters of its own
+    root = _Seen(nn.Linear(4, 4), wrap(bare, mixed_precision=mp))
+    model = wrap(root, mixed_precision=mp)
+    model(torch.randn(2, 4)).sum().backward()
+    return [str(m.seen[-1]) for m in (root, bare, leaf)]
+
+
+@pytest.mark.parametrize("cast_root", [False, True])
+@pytest.mark.parametrize("cast_forward", [False, True])
+def test_input_casts_by_flags_are_torchs(cast_forward: bool, cast_root: bool) -> None:
+    """torch's FSDP1 casts the root's inputs if either flag is set (its root hook by
+    ``cast_root_forward_inputs``, every unit's own hook by ``cast_forward_inputs``), and a
+    unit without parameters of its own never by ``cast_forward_inputs``. fullshard cast the
+    root's by ``cast_root_forward_inputs`` alone, so ``cast_forward_inputs=True,
+    cast_root_forward_inputs=False`` fed fp32 inputs to fp16 weights."""
+    torchs = run_on_ranks(2, _input_dtypes_by_flags, "torch", cast_forward, cast_root)[0]
+    ours = run_on_ranks(2, _input_dtypes_by_flags, "fullshard", cast_forward, cast_root)[0]
+    assert ours == torchs, (ours, torchs)
+
+
 def test_full_precision_eval_with_env_flag() -> None:
     """FSDP_USE_FULL_PREC_IN_EVAL=1: eval computes, casts nothing, in fp32; train returns
     to bf16 (and buffers follow)."""
