@@ -36,7 +36,7 @@ from torch.autograd.profiler import record_function
 
 from .. import _switches as switches
 from . import shared_memory as _shm
-from .pieces import Sink
+from .pieces import Receiver
 
 __all__: list[str] = []
 
@@ -341,11 +341,12 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
 
 
 def gathers_into_sink(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
-    """Whether ``all_gather_into`` over ``group`` can deliver ``tensor`` 's shards to a sink
-    (the shared-memory transport copies each peer's piece out of its cell anyway, so it can
-    copy it where the caller wants it, and ``output`` is never written). Every rank of the
-    group must ask at the same point (the transport may be set up here)."""
-    return _shm.transport_for(group, tensor, named) is not None
+    """Whether ``all_gather_into`` over ``group`` can deliver ``tensor`` 's shards to a
+    ``Receiver`` (the shared-memory transport copies each peer's piece out of its cell anyway,
+    so it can copy it where the caller wants it; the rings receive each piece where it goes),
+    and ``output`` is never written. Every rank of the group must ask at the same point (the
+    transport may be set up here)."""
+    return _shm.transport_for(group, tensor, named) is not None or _uses_ring(group, tensor)
 
 
 def all_gather_into(
@@ -353,12 +354,13 @@ def all_gather_into(
     shard: torch.Tensor,
     group: dist.ProcessGroup,
     label: str,
-    sink: Sink | None = None,
+    receiver: Receiver | None = None,
 ) -> Pending:
     """All-gather equal ``shard`` s from every rank of ``group`` into ``output`` (rank order),
-    or into ``sink`` where ``gathers_into_sink`` said so (``output`` then only gives sizes)."""
+    or into ``receiver`` where ``gathers_into_sink`` said so (``output`` then only gives
+    sizes)."""
     num_ranks = dist.get_world_size(group)
-    if num_ranks == 1 and sink is None:  # nothing to communicate (torch's FSDP2 calls none)
+    if num_ranks == 1 and receiver is None:  # nothing to communicate (torch's FSDP2 calls none)
         output.copy_(shard.view(-1)[: output.numel()])
         return completed("all_gather", label, group)
     if debug_checks_enabled():
@@ -367,12 +369,17 @@ def all_gather_into(
     with record_function(f"fullshard::all_gather({label})"):
         transport = _shm.transport_for(group, output, named)
         if transport is not None:
+            sink = receiver.receive if receiver is not None else None
             issue = functools.partial(transport.all_gather, output, shard, label, sink)
             return _SharedMemoryPending("all_gather", label, group, transport, issue)
-        assert sink is None, "a sink needs the shared-memory transport (gathers_into_sink)"
         if _uses_ring(group, output):
-            steps = _ring_all_gather(output, shard, group, _next_tag(group))
+            tag = _next_tag(group)
+            if receiver is not None:
+                steps = _ring_all_gather_into_places(receiver, shard, group, tag)
+            else:
+                steps = _ring_all_gather(output, shard, group, tag)
             return _WorkPending("all_gather", label, group, steps, [_neighbours(group)[3]])
+        assert receiver is None, "a receiver needs fullshard's transports (gathers_into_sink)"
         work = _all_gather_single(output, shard, group=group, async_op=True)
     return issued("all_gather", label, group, work)
 
@@ -476,6 +483,13 @@ def all_reduce(
 #   step 1: rank1 sends (x0[2] + x1[2]) -> rank2, which forms x0[2] + x1[2] + x2[2]: its chunk
 # On 2 ranks it is one exchange: each sends the other's chunk and adds it to its own (a + b is
 # the same in either order, so the result matches any other reduce-scatter bitwise).
+#
+# An all-gather with a `Receiver` (`fully_shard`'s parameters, whose unsharded rows of a
+# rank are one range of each parameter, not one range of a buffer) moves each rank's shard
+# as one message per place: the sender cuts the shard, or the rows it received at the step
+# before, by the same places the receiver posts its receives into, and every rank computes
+# them alike from the layout. Messages of one pair and tag arrive in the order they were sent.
+# Nothing is copied out of a gathered buffer afterwards, and none is allocated.
 
 _TAGS: dict[int, int] = {}
 
@@ -522,6 +536,23 @@ def _ring_all_gather(
     for step in range(num_ranks - 1):
         send, recv = chunks[(rank - step) % num_ranks], chunks[(rank - step - 1) % num_ranks]
         yield _exchange(send, recv, group, following, previous, tag)
+
+
+def _ring_all_gather_into_places(
+    receiver: Receiver, shard: torch.Tensor, group: dist.ProcessGroup, tag: int
+) -> Iterator[list[dist.Work]]:
+    """The ring all-gather with each rank's shard received where ``receiver`` places it: one
+    message per place (the sender cuts a rank's shard by the same places), and nothing
+    copied out of a gathered buffer afterwards."""
+    rank, num_ranks, following, previous = _neighbours(group)
+    for start, place in receiver.places(rank):
+        place.copy_(shard[start : start + place.numel()])
+    for step in range(num_ranks - 1):
+        sent = receiver.places((rank - step) % num_ranks)
+        received = receiver.places((rank - step - 1) % num_ranks)
+        works = [dist.isend(place, following, group=group, tag=tag) for _, place in sent]
+        works += [dist.irecv(place, previous, group=group, tag=tag) for _, place in received]
+        yield [work for work in works if work is not None]
 
 
 def _ring_reduce_scatter(

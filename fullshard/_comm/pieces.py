@@ -18,14 +18,30 @@ rank 1 ``[7, 8] + [3, 4] = [10, 12]``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
-__all__ = ["AllGather", "Op", "ReduceScatter", "Sink"]
+__all__ = ["AllGather", "Op", "Receiver", "ReduceScatter", "Sink"]
 
 Sink = Callable[[int, int, torch.Tensor], None]
 """Where an all-gather may deliver instead of its output: ``sink(rank, start, data)``
 receives elements ``[start, start + len(data))`` of ``rank``'s shard (its own included)."""
+
+
+class Receiver(Protocol):
+    """What an all-gather delivers to instead of its output (``collectives.all_gather_into``):
+    the shared-memory transport copies each range of a rank's shard in through ``receive``;
+    the rings receive straight into ``places``."""
+
+    def receive(self, rank: int, start: int, data: torch.Tensor) -> None:
+        """A ``Sink``."""
+
+    def places(self, rank: int) -> list[tuple[int, torch.Tensor]]:
+        """Where ``rank``'s shard goes: (start in the shard, contiguous 1-D destination of
+        the elements from there), in order, every rank's list alike for the same ``rank``;
+        the elements no place covers (padding) are not delivered."""
+        ...
 
 
 class Op:

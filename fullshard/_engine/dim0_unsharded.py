@@ -119,7 +119,9 @@ class Dim0Unsharded:
         """Per rank that delivered to ``receive``, per parameter it holds rows of: the
         parameter's flat view (on the same storage, so valid across free and allocate), its
         span in that rank's shard, where that rank's rows start. Made at a rank's first
-        delivery: only the shared-memory sink reads it, for the ranks of one host."""
+        delivery: only the transports read it (the shared-memory sink, the rings' places)."""
+        self._places: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        """``places``, per rank, made at its first call."""
 
     def allocate(self) -> None:
         if self._storage is not None:  # see [Note: reusing unsharded memory]
@@ -139,6 +141,18 @@ class Dim0Unsharded:
             if lo < hi:
                 at = row_start + lo - first
                 flat[at : at + hi - lo].copy_(data[lo - start : hi - start])
+
+    def places(self, rank: int) -> list[tuple[int, torch.Tensor]]:
+        """Where ``rank``'s shard goes (a ``Receiver``'s, for the rings): per parameter it
+        holds rows of, its span's start in the shard and that rank's rows."""
+        places = self._places.get(rank)
+        if places is None:
+            parts = self._rank_parts.get(rank)
+            if parts is None:
+                parts = self._rank_parts[rank] = self._parts_of(rank)
+            places = [(first, flat[at : at + last - first]) for flat, first, last, at in parts]
+            self._places[rank] = places  # views of the storage: valid across free and allocate
+        return places
 
     def _parts_of(self, rank: int) -> list[tuple[torch.Tensor, int, int, int]]:
         if len(self._flat) != len(self.tensors):
@@ -309,9 +323,9 @@ class PostForwardShard:
             self._receiver = receiver
         gathered = torch.empty(self.layout.padded_numel, dtype=shard.dtype, device=shard.device)
         params.allocate()
-        if comm.gathers_into_sink(self.group, shard):
+        if receiver.sinkable and comm.gathers_into_sink(self.group, shard):
             _free(gathered)  # sizes only: the transport writes the parameters
-            work = comm.all_gather_into(gathered, shard, self.group, label, receiver.receive)
+            work = comm.all_gather_into(gathered, shard, self.group, label, receiver)
             return work, self.drop
 
         def finish() -> None:

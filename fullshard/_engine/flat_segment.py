@@ -403,7 +403,7 @@ class FlatSegment:
         if self.custom_all_gather is not None and unsharded.params is not None:
             return self._custom_unshard(unsharded.params, dtype, label)
         padded = unsharded.padded
-        sink = None
+        receiver = None
         params = unsharded.params
         if (
             params is not None
@@ -411,11 +411,11 @@ class FlatSegment:
             and params.sinkable
             and comm.gathers_into_sink(self.groups.shard, padded)
         ):
-            params.allocate()  # each peer's rows copied straight in
-            sink = params.receive
-        if sink is None:  # see [Note: reusing unsharded memory]
+            params.allocate()  # each peer's rows copied or received straight in
+            receiver = params
+        if receiver is None:  # see [Note: reusing unsharded memory]
             POOL.fill(padded.untyped_storage(), padded.numel() * padded.element_size())
-        unsharded.params_gathered = sink is not None
+        unsharded.params_gathered = receiver is not None
         local_shard = self.flat_param._local_shard
         source = local_shard
         if self._offload_params or local_shard.dtype != dtype:
@@ -426,7 +426,9 @@ class FlatSegment:
             self._copy_out()
             return False
         self._unshard_input = source
-        self._unshard_work = comm.all_gather_into(padded, source, self.groups.shard, label, sink)
+        self._unshard_work = comm.all_gather_into(
+            padded, source, self.groups.shard, label, receiver
+        )
         return True
 
     def _custom_unshard(self, params: Dim0Unsharded, dtype: torch.dtype, label: str) -> bool:

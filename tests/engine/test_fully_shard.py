@@ -808,11 +808,12 @@ TRANSPORTS = {
 }
 
 
-def _over_transport(shared_memory: bool) -> None:
-    """Same training as torch's on every transport. The shared-memory transport copies each
-    peer's rows straight into the unsharded parameters (the gathered buffer is never
-    allocated); the others gather into the buffer and copy out of it. Either way the
-    unsharded parameters lie in one block of the unit's size ([Note: one block per unit])."""
+def _over_transport(into_params: bool) -> None:
+    """Same training as torch's on every transport. fullshard's transports put each peer's
+    rows straight into the unsharded parameters (the gathered buffer is never allocated):
+    the shared-memory one copies them there, the rings receive them there; gloo's own
+    all-gather fills the buffer, which is copied out. Either way the unsharded parameters
+    lie in one block of the unit's size ([Note: one block per unit])."""
     from fullshard import fully_shard
 
     _compare(None, mixed=False, offload=False, hsdp=False)
@@ -828,12 +829,12 @@ def _over_transport(shared_memory: bool) -> None:
     model(_tokens(0))
     unit_numel = sum(p.numel() for p in model.blocks[1].parameters())  # DTensors: global
     assert unit_numel > 25 * DIM  # fc1's weight and the rest of the unit
-    assert seen == [(shared_memory, unit_numel * 4)]  # one block (see dim0_unsharded.py)
+    assert seen == [(into_params, unit_numel * 4)]  # one block (see dim0_unsharded.py)
 
 
 @pytest.mark.parametrize("transport", list(TRANSPORTS))
 def test_parity_and_gathered_buffer_on_each_transport(transport: str) -> None:
-    run_on_ranks(2, _over_transport, transport == "shared-memory", env=TRANSPORTS[transport])
+    run_on_ranks(2, _over_transport, transport != "gloo", env=TRANSPORTS[transport])
 
 
 def _train_ignoring(api: str) -> tuple[list[float], torch.Tensor, tuple[bool, bool]]:

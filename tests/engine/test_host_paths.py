@@ -7,6 +7,7 @@ are empty, padding between and after them), through both doors and every strateg
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import pytest
 import torch
@@ -186,3 +187,45 @@ def test_a_step_leaves_no_tensor_to_the_cycle_collector(
     env = {"FULLSHARD_SHM": "0"} if transport == "rings" else None
     results = run_on_ranks(2, _tensors_left_in_cycles, door, mixed, env=env)
     assert results == [[], []], results
+
+
+def _rings_receive_into_parameters(reshard_after_forward: bool | int) -> list[Any]:
+    """``_Odd`` under ``fully_shard``: its parameters as the unshard (or, with an int, the
+    backward's gather within the smaller group) left them, and its gradients."""
+    torch.manual_seed(0)
+    model = _Odd()
+    fullshard.fully_shard(model.proj, reshard_after_forward=reshard_after_forward)
+    fullshard.fully_shard(model, reshard_after_forward=reshard_after_forward)
+    full = {name: p.full_tensor() for name, p in model.named_parameters()}  # torch's gather
+    units = [model, model.proj]
+    for unit in units:
+        unit.unshard()  # type: ignore[operator]
+    unsharded = {name: p.detach().clone() for name, p in model.named_parameters()}
+    received = [
+        fullshard.fully_shard.state(unit).handle._segments[0].active.params_gathered
+        for unit in units
+    ]
+    assert received == [True, True], received  # no gathered buffer to copy out of
+    for unit in units:
+        unit.reshard()  # type: ignore[operator]
+    torch.manual_seed(1)
+    model(torch.randn(3, 5)).sum().backward()
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    assert all(torch.equal(unsharded[name], full[name]) for name in full), "unshard"
+    return [grads[name] for name in sorted(grads)]
+
+
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_rings_receive_each_ranks_rows_into_the_parameters(ranks: int) -> None:
+    """The rings (``FULLSHARD_SHM=0``) receive each rank's rows of each parameter where they
+    go, one message per parameter, instead of into a gathered buffer copied out after. On 3
+    ranks (parameters of 1, 2, 5 and 7 rows: some ranks hold none of one, padding after
+    others) the unsharded parameters are torch's ``full_tensor()``; on 4 ranks the backward
+    of ``reshard_after_forward=2`` gathers within pairs the same way, and the gradients are
+    those of ``reshard_after_forward=True``."""
+    env = {"FULLSHARD_SHM": "0"}
+    whole = run_on_ranks(ranks, _rings_receive_into_parameters, True, env=env)
+    if ranks == 4:
+        pairs = run_on_ranks(ranks, _rings_receive_into_parameters, 2, env=env)
+        for ours, reference in zip(pairs[0], whole[0]):
+            torch.testing.assert_close(ours, reference, rtol=0, atol=0)
