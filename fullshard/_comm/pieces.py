@@ -41,7 +41,6 @@ class Receiver(Protocol):
         """Where ``rank``'s shard goes: (start in the shard, contiguous 1-D destination of
         the elements from there), in order, every rank's list alike for the same ``rank``;
         the elements no place covers (padding) are not delivered."""
-        ...
 
 
 class Op:

@@ -2,7 +2,9 @@
 by one split against slicing, their addresses found without views against the views, and
 the parameters' DTensor specs shared with their gradients as torch's FSDP2 shares them.
 Units over 3 ranks with odd sizes and parameters with fewer rows than ranks (pieces that
-are empty, padding between and after them), through both doors and every strategy."""
+are empty, padding between and after them), through both doors and every strategy. Also
+the host's memory and copies: nothing a step allocates is left to Python's cycle
+collector, and the rings receive ``fully_shard``'s rows straight into its parameters."""
 
 from __future__ import annotations
 
