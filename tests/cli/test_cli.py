@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from train_cli import run_cli_each
 
 from fullshard.cli.plan import PRESETS, make_plan, shape_from_hf_config
 
@@ -295,8 +296,8 @@ def test_train_mistakes_get_clear_messages_before_any_rank_starts(tmp_path: Path
                 "give every machine the same --out",
             ),
         ]
-        for args, message in cases:
-            result = _run(["train", *TINY, *args], timeout=120)
+        results = run_cli_each([["train", *TINY, *args] for args, _ in cases])
+        for (args, message), result in zip(cases, results):
             assert result.returncode == 2, (args, result.stderr[-2000:])
             assert message in result.stderr, (args, result.stderr[-2000:])
 

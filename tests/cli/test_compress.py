@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from train_cli import STEPS, TINY, run_cli, stop_after_checkpoint
+from train_cli import STEPS, TINY, run_cli, run_cli_each, stop_after_checkpoint
 
 FSDP2 = ["--api", "fsdp2", "--ranks", "2"]
 COMPRESS = ["--compress-comm", "int8-weights,bf16-grads"]
@@ -66,15 +66,16 @@ def test_compressed_run_stopped_resumes_to_the_uninterrupted_curve(
 def test_compress_comm_misuse_is_refused_before_the_ranks_start() -> None:
     """--compress-comm without fsdp2, an unknown compression, or int8 weights with --tp:
     exit status 2, naming the fix."""
-    for args, message in [
+    cases = [
         (["--compress-comm", "bf16-grads"], "--compress-comm needs --api fsdp2"),
         (["--api", "fsdp2", "--compress-comm", "int4-weights"],
          "argument --compress-comm: unknown compression ['int4-weights']: choose a "
          "comma-separated subset of int8-weights, bf16-grads"),
         (["--api", "fsdp2", "--ranks", "4", "--tp", "2", "--compress-comm", "int8-weights"],
          "--compress-comm int8-weights with --tp or --cpu-offload is not supported"),
-    ]:  # fmt: skip
-        result = _run(["train", *TINY, *args], timeout=120)
+    ]  # fmt: skip
+    results = run_cli_each([["train", *TINY, *args] for args, _ in cases])
+    for (args, message), result in zip(cases, results):
         assert result.returncode == 2, (args, result.stderr[-2000:])
         assert f"fullshard train: error: {message}" in result.stderr, result.stderr[-2000:]
         assert "Traceback" not in result.stderr

@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from train_cli import STEPS, TINY, assert_same_curve, run_cli, stop_after_checkpoint
+from train_cli import (
+    STEPS,
+    TINY,
+    assert_same_curve,
+    run_cli,
+    run_cli_each,
+    stop_after_checkpoint,
+)
 
 from fullshard.cli.plan import PRESETS, fsdp2_strategy, make_plan
 
@@ -126,7 +133,7 @@ def test_train_reshard_after_forward_misuse_is_refused_before_the_ranks_start() 
     """--reshard-after-forward with --api fsdp1, with SHARD_GRAD_OP (which already means
     false), or as an int that is not a factor of the ranks: exit status 2, naming the fix
     (the last in torch's words)."""
-    for args, message in [
+    cases = [
         (["--reshard-after-forward", "2"], "--reshard-after-forward is fully_shard's option: "
          "add --api fsdp2, or with --api fsdp1 use --sharding-strategy FULL_SHARD (true) or "
          "SHARD_GRAD_OP (false)"),
@@ -139,8 +146,9 @@ def test_train_reshard_after_forward_misuse_is_refused_before_the_ranks_start() 
         (["--api", "fsdp2", "--strategy", "HYBRID_SHARD", "--ranks", "4", "--nnodes", "1",
           "--reshard-after-forward", "3"], "it should be a factor of 4, not 3 (the shard "
          "group's ranks per node)"),
-    ]:  # fmt: skip
-        result = _run(["train", *TINY, *args], timeout=120)
+    ]  # fmt: skip
+    results = run_cli_each([["train", *TINY, *args] for args, _ in cases])
+    for (args, message), result in zip(cases, results):
         assert result.returncode == 2, (args, result.stderr[-2000:])
         assert message in result.stderr, result.stderr[-2000:]
         assert "Traceback" not in result.stderr

@@ -9,7 +9,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from train_cli import STEPS, TINY, assert_same_curve, run_cli, stop_after_checkpoint
+from train_cli import (
+    STEPS,
+    TINY,
+    assert_same_curve,
+    run_cli,
+    run_cli_each,
+    stop_after_checkpoint,
+)
 
 CLIP = ["--grad-clip", "0.05"]
 """Small enough to clip at every step: the two meshes' norm (`_clip_across_meshes`) counts."""
@@ -83,7 +90,7 @@ def test_train_tp_stopped_run_resumes_to_the_uninterrupted_curve(
 def test_train_tp_misuse_is_refused_before_the_ranks_start() -> None:
     """--tp without fsdp2, one that does not divide the heads or the ranks, with
     HYBRID_SHARD or an int --reshard-after-forward: exit status 2, naming the fix."""
-    for args, message in [
+    cases = [
         (["--tp", "2"], "--tp 2 composes tensor parallelism with fully_shard: add --api fsdp2"),
         (["--api", "fsdp2", "--ranks", "3", "--tp", "3"],
          "--tp 3 does not divide the model's 4 attention heads (tiny): pick a --tp that "
@@ -97,8 +104,9 @@ def test_train_tp_misuse_is_refused_before_the_ranks_start() -> None:
         (["--api", "fsdp2", "--ranks", "4", "--tp", "2", "--reshard-after-forward", "2"],
          "--reshard-after-forward 2 with --tp 2: fully_shard cannot keep tensor-parallel "
          "parameters sharded over fewer ranks"),
-    ]:  # fmt: skip
-        result = _run(["train", *TINY, *args], timeout=120)
+    ]  # fmt: skip
+    results = run_cli_each([["train", *TINY, *args] for args, _ in cases])
+    for (args, message), result in zip(cases, results):
         assert result.returncode == 2, (args, result.stderr[-2000:])
         assert f"fullshard train: error: {message}" in result.stderr, result.stderr[-2000:]
         assert "Traceback" not in result.stderr

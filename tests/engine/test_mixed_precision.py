@@ -259,17 +259,18 @@ def test_buffers_and_inputs_cast_for_compute() -> None:
 
 
 class _Seen(nn.Module):
-    """Records the dtype of its input, then runs ``body`` on it in fp16 (the compute dtype)
-    and ``after`` on the body's output in fp32."""
+    """Records the dtype of its input, then runs ``body`` on it in fp16 (the compute dtype;
+    as it came where ``cast`` is false: a wrapper handing its input on) and ``after`` on the
+    body's output in fp32."""
 
-    def __init__(self, body: nn.Module, after: nn.Module | None = None) -> None:
+    def __init__(self, body: nn.Module, after: nn.Module | None = None, cast: bool = True) -> None:
         super().__init__()
-        self.body, self.after = body, after
+        self.body, self.after, self.cast = body, after, cast
         self.seen: list[torch.dtype] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.seen.append(x.dtype)
-        out = self.body(x.to(torch.float16)).float()
+        out = self.body(x.to(torch.float16) if self.cast else x).float()
         return out if self.after is None else self.after(out)
 
 
@@ -291,7 +292,7 @@ def _input_dtypes_by_flags(engine: str, cast_forward: bool, cast_root: bool) -> 
     )
     torch.manual_seed(0)
     leaf = _Seen(nn.Linear(4, 4))
-    bare = _Seen(wrap(leaf, mixed_precision=mp))  # no parameters of its own
+    bare = _Seen(wrap(leaf, mixed_precision=mp), cast=False)  # no parameters of its own
     root = _Seen(nn.Linear(4, 4), wrap(bare, mixed_precision=mp))
     model = wrap(root, mixed_precision=mp)
     model(torch.randn(2, 4)).sum().backward()

@@ -5,10 +5,12 @@ complete."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,6 +26,15 @@ def run_cli(
         [sys.executable, "-m", "fullshard", *args],
         capture_output=True, text=True, timeout=timeout, cwd=REPO, **kwargs,
     )  # type: ignore[call-overload]  # fmt: skip
+
+
+def run_cli_each(
+    argvs: list[list[str]], timeout: float = 120
+) -> list[subprocess.CompletedProcess[str]]:
+    """``run_cli`` of each of ``argvs``, as many at once as there are CPUs: the misuse tests'
+    refusals each spend their seconds importing torch, one core each."""
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return list(pool.map(lambda args: run_cli(args, timeout=timeout), argvs))
 
 
 def assert_same_curve(got: object, want: object) -> None:
