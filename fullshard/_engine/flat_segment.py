@@ -21,6 +21,8 @@ assert the unit's state and drive every segment of the unit through the same ste
 
 from __future__ import annotations
 
+import types
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -308,7 +310,7 @@ class FlatSegment:
         """Register the post-backward hook on a leaf that requires grad and has none yet."""
         hook = self._post_backward_hook
         if hook is not None and unsharded.leaf.requires_grad and unsharded.hook is None:
-            unsharded.hook = unsharded.leaf.register_post_accumulate_grad_hook(lambda _: hook())
+            unsharded.hook = unsharded.leaf.register_post_accumulate_grad_hook(_weakly(hook))
 
     def buffers(self) -> list[Unsharded]:
         """The unsharded buffers built so far (compute dtype, then full precision)."""
@@ -556,3 +558,21 @@ class FlatSegment:
         outputs = list(full.chunk(self.groups.shard_size))  # shard_numel each
         comm.gather_to_first_rank(outputs, source, self.groups.shard, label).wait()
         return full
+
+
+def _weakly(hook: Callable[[], None]) -> Callable[[torch.Tensor], None]:
+    """A leaf's hook that calls ``hook`` (a bound method: the unit's post-backward) through a
+    weak reference. The leaf is held from C++ by the views of it that modules compute with
+    (a view's base), where Python's cycle collector cannot see: a strong reference from its
+    hook back to the unit kept the whole model, its parameters and its process groups'
+    shared-memory files alive for the rest of the process once the user dropped it."""
+    if not isinstance(hook, types.MethodType):
+        return lambda _: hook()
+    method = weakref.WeakMethod(hook)
+
+    def call(_: torch.Tensor) -> None:
+        bound = method()
+        if bound is not None:  # else the unit is gone, and no one can see its gradients
+            bound()
+
+    return call

@@ -4,7 +4,8 @@ the parameters' DTensor specs shared with their gradients as torch's FSDP2 share
 Units over 3 ranks with odd sizes and parameters with fewer rows than ranks (pieces that
 are empty, padding between and after them), through both doors and every strategy. Also
 the host's memory and copies: nothing a step allocates is left to Python's cycle
-collector, and the rings receive ``fully_shard``'s rows straight into its parameters."""
+collector, a model its user dropped is freed, and the rings receive ``fully_shard``'s rows
+straight into its parameters."""
 
 from __future__ import annotations
 
@@ -189,6 +190,32 @@ def test_a_step_leaves_no_tensor_to_the_cycle_collector(
     env = {"FULLSHARD_SHM": "0"} if transport == "rings" else None
     results = run_on_ranks(2, _tensors_left_in_cycles, door, mixed, env=env)
     assert results == [[], []], results
+
+
+def _dropped_model_is_freed(door: str) -> bool:
+    """Train a step, drop the model, its optimizer and the loss: whether the model is gone."""
+    import weakref
+
+    model = _wrapped(door)
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(3, 5)).sum().backward()
+    optim.step()
+    dropped = weakref.ref(model)
+    del model, optim
+    gc.collect()
+    return dropped() is None
+
+
+@pytest.mark.parametrize(
+    "door", ["fully_shard", "FULL_SHARD/flat", "FULL_SHARD/orig", "NO_SHARD/flat"]
+)
+def test_a_dropped_model_is_freed(door: str) -> None:
+    """A wrapped model its user dropped is freed, with its parameters (and the
+    shared-memory files of its groups). The unsharded leaf's post-backward hook held its
+    unit strongly, and the leaf is held from C++ (the base of the views the modules compute
+    with), where the cycle collector cannot see: every ``fully_shard`` model stayed alive
+    for the rest of the process."""
+    assert run_on_ranks(2, _dropped_model_is_freed, door) == [True, True]
 
 
 def _rings_receive_into_parameters(reshard_after_forward: bool | int) -> list[Any]:
