@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 import zlib
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterator
@@ -491,12 +492,16 @@ def all_reduce(
 # them alike from the layout. Messages of one pair and tag arrive in the order they were sent.
 # Nothing is copied out of a gathered buffer afterwards, and none is allocated.
 
-_TAGS: dict[int, int] = {}
+_TAGS: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
+"""Per live group, the rings issued on it so far. Keyed by the group itself, not its
+``id``: a group made after another was destroyed may get the old one's ``id`` on some ranks
+only, and would continue its count there while the other ranks start at 1 (the rings'
+messages would then never match)."""
 
 
 def _next_tag(group: dist.ProcessGroup) -> int:
-    tag = _TAGS.get(id(group), 0) + 1
-    _TAGS[id(group)] = tag
+    tag = _TAGS.get(group, 0) + 1
+    _TAGS[group] = tag
     return tag
 
 

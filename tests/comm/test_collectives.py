@@ -72,6 +72,31 @@ def test_rings_in_flight_together_do_not_mix() -> None:
     run_on_ranks(2, _overlapping_rings)  # the same through the shared-memory transport
 
 
+def _tags_of_a_destroyed_group() -> tuple[int | None, bool]:
+    import gc
+    import weakref
+
+    gc.collect()
+    counted = len(comm._TAGS)
+    group = dist.new_group([0, 1])
+    out = torch.empty(4)
+    comm.all_gather_into(out, torch.full((2,), float(dist.get_rank())), group, "old").wait()
+    first = comm._TAGS.get(group)
+    dead = weakref.ref(group)
+    dist.destroy_process_group(group)
+    del group
+    gc.collect()
+    assert dead() is None, "the destroyed group is still referenced"
+    return first, len(comm._TAGS) <= counted
+
+
+def test_ring_tags_go_with_their_group() -> None:
+    """The rings' per-group tag count is dropped with the group: keyed by ``id`` it stayed,
+    and a later group that got the dead one's ``id`` on some ranks only continued its count
+    there while the others started at 1 (messages that never match: a hang)."""
+    assert run_on_ranks(2, _tags_of_a_destroyed_group, env=RINGS) == [(1, True)] * 2
+
+
 def test_counters_keep_a_bounded_history_of_labels() -> None:
     """Counts and bytes keep adding up forever; the per-call label history keeps only the
     most recent calls, so a long training run does not grow it without bound."""
