@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from train_cli import run_cli_each
+from train_cli import run_cli, run_cli_each
 
 from fullshard.cli.plan import PRESETS, make_plan, shape_from_hf_config
 
@@ -37,12 +37,7 @@ TINY_PARAMS = _tiny_params()
 """Parameters of the plain model that ``TINY`` trains."""
 
 
-def _run(
-    args: list[str], timeout: float = 300, **kwargs: object
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*FULLSHARD, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, **kwargs
-    )  # type: ignore[call-overload]
+_run = run_cli
 
 
 # -- plan -----------------------------------------------------------------------------------
