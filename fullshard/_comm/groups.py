@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,11 +21,12 @@ HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHA
 # calls `new_group` on every rank, and the units one auto_wrap_policy builds (each resolving
 # process_group=None) must share one set of groups. Tests that wrap hybrid units by hand pass
 # these explicitly (tests/support/models.py).
-# Keyed by the group object itself (not its id), so a re-initialised default group never
-# finds the groups of a destroyed one.
-_DEFAULT_HYBRID_GROUPS: dict[
-    tuple[dist.ProcessGroup, int], tuple[dist.ProcessGroup, dist.ProcessGroup]
-] = {}
+# Keyed weakly by the default group itself (not its id), so a re-initialised default group
+# never finds the groups of a destroyed one, and a destroyed one's groups (their gloo
+# threads, their shared-memory files) go with it.
+_DEFAULT_HYBRID_GROUPS: weakref.WeakKeyDictionary[
+    dist.ProcessGroup, dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]]
+] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -78,9 +80,9 @@ def _default_hybrid_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
         )
     world = dist.group.WORLD
     assert world is not None
-    key = (world, local_size)
-    if key in _DEFAULT_HYBRID_GROUPS:
-        return _DEFAULT_HYBRID_GROUPS[key]
+    made = _DEFAULT_HYBRID_GROUPS.setdefault(world, {})
+    if local_size in made:
+        return made[local_size]
     rank = dist.get_rank()
     num_nodes = world_size // local_size
     shard_group = replicate_group = None
@@ -95,7 +97,7 @@ def _default_hybrid_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
         if rank in ranks:
             replicate_group = group
     assert shard_group is not None and replicate_group is not None
-    _DEFAULT_HYBRID_GROUPS[key] = (shard_group, replicate_group)
+    made[local_size] = (shard_group, replicate_group)
     return shard_group, replicate_group
 
 

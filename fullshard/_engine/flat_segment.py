@@ -36,6 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from .._comm import collectives as comm
 from .._comm import custom
 from .._comm.groups import ShardingGroups
+from .compile import eager
 from .dim0_unsharded import Dim0Unsharded, PostForwardShard
 from .layout import Dim0Layout, FlatLayout, ShardPiece
 from .names import FSDP_FLATTENED
@@ -310,7 +311,9 @@ class FlatSegment:
         """Register the post-backward hook on a leaf that requires grad and has none yet."""
         hook = self._post_backward_hook
         if hook is not None and unsharded.leaf.requires_grad and unsharded.hook is None:
-            unsharded.hook = unsharded.leaf.register_post_accumulate_grad_hook(_weakly(hook))
+            unsharded.hook = unsharded.leaf.register_post_accumulate_grad_hook(
+                _weak_post_backward_hook(hook, list(self.flat_param._fqns))
+            )
 
     def buffers(self) -> list[Unsharded]:
         """The unsharded buffers built so far (compute dtype, then full precision)."""
@@ -560,19 +563,30 @@ class FlatSegment:
         return full
 
 
-def _weakly(hook: Callable[[], None]) -> Callable[[torch.Tensor], None]:
-    """A leaf's hook that calls ``hook`` (a bound method: the unit's post-backward) through a
-    weak reference. The leaf is held from C++ by the views of it that modules compute with
-    (a view's base), where Python's cycle collector cannot see: a strong reference from its
-    hook back to the unit kept the whole model, its parameters and its process groups'
-    shared-memory files alive for the rest of the process once the user dropped it."""
-    if not isinstance(hook, types.MethodType):
-        return lambda _: hook()
-    method = weakref.WeakMethod(hook)
+def _weak_post_backward_hook(
+    hook: Callable[[], None], fqns: list[str]
+) -> Callable[[torch.Tensor], None]:
+    """The leaf's hook: ``hook`` (the unit's post-backward, a bound method) called through a
+    weak reference to its unit. The leaf is held from C++ (the base of the views that the
+    modules compute with), where Python's cycle collector cannot see, so a strong reference
+    from its hook back to the unit kept every model, its parameters and its groups alive
+    for the rest of the process once its user dropped it. A backward that reaches the leaf
+    after the unit was freed (the model dropped, one of its activations kept and backward
+    run from it) raises: its gradients could not be reduced, and the optimizer may still
+    hold the parameters."""
+    assert isinstance(hook, types.MethodType), hook
+    function, unit = hook.__func__, weakref.ref(hook.__self__)
 
+    @eager
     def call(_: torch.Tensor) -> None:
-        bound = method()
-        if bound is not None:  # else the unit is gone, and no one can see its gradients
-            bound()
+        runtime = unit()
+        if runtime is None:
+            raise RuntimeError(
+                f"fullshard: the FSDP unit of {', '.join(fqns[:3])}"
+                f"{', ...' if len(fqns) > 3 else ''} was freed while autograd was computing "
+                "its gradient: the model was dropped before backward() reached its "
+                "parameters. Keep the model alive until backward() returns"
+            )
+        function(runtime)
 
     return call

@@ -169,7 +169,25 @@ def _plain_value(entry: _Entry, config: StateDictConfig) -> Any:
 _MESHES: dict[tuple[dist.ProcessGroup, dist.ProcessGroup | None, str], DeviceMesh] = {}
 """Keyed by the group objects themselves (as ``_comm.groups`` keys its groups), not their
 ids: a group created after another was destroyed can reuse its id, and would be given the
-destroyed group's mesh."""
+destroyed group's mesh. Entries of destroyed groups are dropped when a mesh is made
+(``_forget_destroyed``): a mesh holds its groups (torch's ``DeviceMesh.from_group`` keeps
+them), so a weak key would never die, and the groups' gloo threads and shared-memory files
+stayed for the rest of the process."""
+
+
+def _destroyed(group: dist.ProcessGroup | None) -> bool:
+    if group is None:
+        return False
+    try:
+        dist.get_backend(group)
+    except (ValueError, RuntimeError):  # torch: "... is not initialized in the world ..."
+        return True
+    return False
+
+
+def _forget_destroyed() -> None:
+    for key in [key for key in _MESHES if _destroyed(key[0]) or _destroyed(key[1])]:
+        del _MESHES[key]
 
 
 def _mesh(groups: ShardingGroups, device_type: str) -> DeviceMesh:
@@ -177,6 +195,7 @@ def _mesh(groups: ShardingGroups, device_type: str) -> DeviceMesh:
     shard) for hybrid strategies; cached per group pair."""
     key = (groups.shard, groups.replicate, device_type)
     if key not in _MESHES:
+        _forget_destroyed()
         if groups.replicate is None:
             mesh = DeviceMesh.from_group(groups.shard, device_type)
         else:

@@ -5,7 +5,9 @@ tests that transport.)"""
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 
 import pytest
 import torch
@@ -73,9 +75,6 @@ def test_rings_in_flight_together_do_not_mix() -> None:
 
 
 def _tags_of_a_destroyed_group() -> tuple[int | None, bool]:
-    import gc
-    import weakref
-
     gc.collect()
     counted = len(comm._TAGS)
     group = dist.new_group([0, 1])

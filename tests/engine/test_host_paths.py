@@ -10,10 +10,12 @@ straight into its parameters."""
 from __future__ import annotations
 
 import gc
+import weakref
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import distribute_tensor
 
@@ -192,30 +194,88 @@ def test_a_step_leaves_no_tensor_to_the_cycle_collector(
     assert results == [[], []], results
 
 
-def _dropped_model_is_freed(door: str) -> bool:
-    """Train a step, drop the model, its optimizer and the loss: whether the model is gone."""
-    import weakref
-
+def _dropped_model_is_freed(door: str) -> list[bool]:
+    """Train a step, drop the model, its optimizer and the loss: whether the module whose
+    parameters were sharded and its unit's handle are gone."""
     model = _wrapped(door)
     optim = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.randn(3, 5)).sum().backward()
     optim.step()
-    dropped = weakref.ref(model)
-    del model, optim
+    inner = model.module if isinstance(model, FSDP) else model
+    dropped = [weakref.ref(inner), weakref.ref(handles_in(model)[0])]
+    del model, optim, inner
     gc.collect()
-    return dropped() is None
+    return [ref() is None for ref in dropped]
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize(
     "door", ["fully_shard", "FULL_SHARD/flat", "FULL_SHARD/orig", "NO_SHARD/flat"]
 )
-def test_a_dropped_model_is_freed(door: str) -> None:
-    """A wrapped model its user dropped is freed, with its parameters (and the
+def test_a_dropped_model_is_freed(door: str, ranks: int) -> None:
+    """A model its user dropped is freed, with its parameters and its handle (and the
     shared-memory files of its groups). The unsharded leaf's post-backward hook held its
     unit strongly, and the leaf is held from C++ (the base of the views the modules compute
-    with), where the cycle collector cannot see: every ``fully_shard`` model stayed alive
+    with), where the cycle collector cannot see: every ``fully_shard`` model and every
+    model the FSDP1 door wraps without sharding (NO_SHARD, and any strategy on 1 rank)
+    stayed alive for the rest of the process."""
+    assert run_on_ranks(ranks, _dropped_model_is_freed, door) == [[True, True]] * ranks
+
+
+def _backward_after_the_model_was_dropped() -> str:
+    model = nn.Sequential(nn.Linear(5, 5), nn.ReLU(), nn.Linear(5, 3))
+    fullshard.fully_shard(model)
+    kept: list[torch.Tensor] = []
+    model[0].register_forward_hook(lambda module, args, output: kept.append(output))
+    model(torch.randn(3, 5))
+    del model
+    gc.collect()
+    with pytest.raises(RuntimeError) as error:
+        kept[0].sum().backward()
+    return str(error.value)
+
+
+def test_a_backward_after_the_model_was_dropped_raises() -> None:
+    """A backward that reaches a unit's parameters after the model was freed (an
+    activation of it kept, the model dropped) raises on every rank, naming the unit: its
+    gradients cannot be reduced, where the optimizer may still hold the parameters."""
+    for message in run_on_ranks(2, _backward_after_the_model_was_dropped):
+        assert "the FSDP unit of 0.weight, 0.bias, 2.weight" in message, message
+        assert "Keep the model alive until backward() returns" in message, message
+
+
+def _meshes_of_destroyed_groups() -> list[bool]:
+    """Sharded state dicts of HYBRID_SHARD models over groups of their own (shard: this
+    rank alone, replicate: both ranks), the first model's groups then destroyed: whether a
+    state-dict mesh still holds them once the second model's is made, and whether they are
+    freed."""
+    from fullshard import StateDictType
+    from fullshard._features import state_dict
+
+    def hybrid_state_dict() -> list[weakref.ref[Any]]:
+        shards = [dist.new_group([rank]) for rank in range(2)]  # every rank makes every group
+        groups = (shards[dist.get_rank()], dist.new_group([0, 1]))
+        model = FSDP(_Odd(), sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=groups)
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            model.state_dict()
+        return [weakref.ref(group) for group in groups]  # this rank's groups
+
+    first = hybrid_state_dict()
+    for ref in first:
+        dist.destroy_process_group(ref())
+    gc.collect()
+    hybrid_state_dict()
+    gc.collect()
+    stale = [key for key in state_dict._MESHES if state_dict._destroyed(key[0])]
+    return [not stale, all(ref() is None for ref in first)]
+
+
+def test_state_dict_meshes_do_not_keep_destroyed_groups() -> None:
+    """The sharded state dicts' meshes are cached per group pair; once the groups are
+    destroyed (a sweep or a notebook setting up new ones), the next mesh made drops theirs:
+    a mesh holds its groups, which kept their gloo threads and their shared-memory files
     for the rest of the process."""
-    assert run_on_ranks(2, _dropped_model_is_freed, door) == [True, True]
+    assert run_on_ranks(2, _meshes_of_destroyed_groups) == [[True, True]] * 2
 
 
 def _rings_receive_into_parameters(reshard_after_forward: bool | int) -> list[Any]:
