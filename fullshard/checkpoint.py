@@ -37,6 +37,7 @@ import pickle
 import shutil
 import uuid
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,12 +72,6 @@ class CheckpointMismatchError(ValueError):
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        with named("the barrier of fullshard.checkpoint"):
-            dist.barrier()
 
 
 def _uses_fully_shard(model: nn.Module) -> bool:
@@ -188,15 +183,43 @@ def _save(
     if tensors:
         state["extra"] = tensors
     metadata = _metadata(model, optim, state, values)
-    if _rank() == 0:
+
+    def make_folder() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-    _barrier()
+
+    _rank0_then_every_rank(f"creating {path.parent}", make_folder)
     dcp.save(state, checkpoint_id=partial)
     metadata["files"] = _digests_of_written_files(partial)
-    if _rank() == 0:
+
+    def commit() -> None:
         _write_json(partial / METADATA_FILE, metadata)
         _commit(partial, path)
-    _barrier()
+
+    _rank0_then_every_rank(f"writing {METADATA_FILE} and swapping the checkpoint in", commit)
+
+
+def _rank0_then_every_rank(step: str, action: Callable[[], None]) -> None:
+    """Run ``action`` on rank 0 (a file operation of the save's), then agree on how it
+    went: where it failed (a full disk, permissions), every rank raises its error. With a
+    barrier the others learned only that rank 0 was gone, or, where rank 0's caller caught
+    the error and went on, waited for the group's timeout."""
+    if not dist.is_initialized():
+        action()
+        return
+    problem: list[Any] = [""]
+    failure: OSError | None = None
+    if _rank() == 0:
+        try:
+            action()
+        except OSError as error:
+            problem[0], failure = f"{type(error).__name__}: {error}", error
+    with named("the exchange of how rank 0's step of fullshard.checkpoint went"):
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise OSError(
+            f"fullshard: checkpoint.save failed on rank 0 while {step}: {problem[0]}. The "
+            "previous checkpoint there, if any, is intact"
+        ) from failure
 
 
 # [Note: checkpoint digests]
@@ -417,6 +440,40 @@ def _resolve(path: Path) -> Path:
     raise FileNotFoundError(f"no checkpoint at {path}")
 
 
+def _agreed_checkpoint(path: Path) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint folder at ``path`` and its metadata, agreed by every rank: each rank
+    resolves ``path`` on its own file system (it may be a host's own mount), so a rank that
+    cannot see it, or a save swapping the folders in between two ranks' looks (one rank
+    finds ``path``, another its previous checkpoint), would otherwise raise on that rank
+    alone while the others wait in the load's collectives, or load two different
+    checkpoints. Every rank raises the same error instead."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        folder = _resolve(path)
+        return folder, read_metadata(folder)
+    choice, problem, missing = "", "", False
+    metadata: dict[str, Any] = {}
+    try:
+        folder = _resolve(path)
+        metadata = read_metadata(folder)
+        choice = "current" if folder == path else "previous"
+    except (OSError, ValueError) as error:
+        problem, missing = f"{type(error).__name__}: {error}", isinstance(error, FileNotFoundError)
+    views: list[Any] = [None] * dist.get_world_size()
+    with named("the exchange of the checkpoint folder each rank found"):
+        dist.all_gather_object(views, (choice, problem, missing))
+    problems = [f"rank {rank}: {p}" for rank, (_, p, _) in enumerate(views) if p]
+    if problems:
+        error_type = FileNotFoundError if all(m for _, p, m in views if p) else ValueError
+        raise error_type(f"cannot load the checkpoint at {path}: {'; '.join(problems)}")
+    if len({c for c, _, _ in views}) > 1:
+        found = "; ".join(f"rank {rank}: {c}" for rank, (c, _, _) in enumerate(views))
+        raise ValueError(
+            f"the ranks found different checkpoints at {path} ({found}): a save was swapping "
+            "it in while they looked. Load again once the save has finished"
+        )
+    return (path if choice == "current" else _previous(path)), metadata
+
+
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The metadata of the checkpoint at ``path`` (no process group needed)."""
     folder = _resolve(Path(path))
@@ -537,8 +594,7 @@ def load(
     (with ``verify``) ``CheckpointCorruptedError`` naming every file whose size or SHA-256
     differs from the save's record (see [Note: checkpoint digests]).
     Collective: call it on every rank."""
-    folder = _resolve(Path(path))
-    metadata = read_metadata(folder)
+    folder, metadata = _agreed_checkpoint(Path(path))
     if verify and metadata.get("files"):
         _verify_files(folder, metadata["files"])
     model_state = _states(model, None)["model"]

@@ -56,12 +56,11 @@ def _is_param_shaped(value: Any) -> bool:
 def _broadcast_skeleton(osd: dict[str, Any] | None, group: Any) -> dict[str, Any]:
     """Rank 0's state dict with each parameter-shaped tensor replaced by a ``_TensorRef``."""
     skeleton: list[Any] = [None]
-    if dist.get_rank(group) == 0:
-        if osd is None or "state" not in osd:
-            raise ValueError(
-                "rank 0 must pass the full optimizer state dict (with 'state' and "
-                "'param_groups'); the other ranks may pass None"
-            )
+    if dist.get_rank(group) == 0 and (osd is None or "state" not in osd):
+        # broadcast, so that every rank raises (the others would wait in the broadcast)
+        skeleton[0] = {"error": f"rank 0 passed {type(osd).__name__}"}
+    elif dist.get_rank(group) == 0:
+        assert osd is not None
         skeleton[0] = {
             "state": {
                 fqn: {
@@ -77,6 +76,11 @@ def _broadcast_skeleton(osd: dict[str, Any] | None, group: Any) -> dict[str, Any
             skeleton[0]["param_groups"] = osd["param_groups"]
     with comm.named("the broadcast of the optimizer state dict's layout", group):
         dist.broadcast_object_list(skeleton, src=_global_rank0(group), group=group)
+    if "error" in skeleton[0]:
+        raise ValueError(
+            "rank 0 must pass the full optimizer state dict (with 'state' and "
+            f"'param_groups'); the other ranks may pass None ({skeleton[0]['error']})"
+        )
     return skeleton[0]
 
 

@@ -830,18 +830,17 @@ def _rank0_only_load_without_state() -> bool:
     model, optim = _with_adam()
     configs = (FullStateDictConfig(rank0_only=True), FullOptimStateDictConfig(rank0_only=True))
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, *configs):
-        if dist.get_rank() != 0:
-            return False  # rank 0 raises before the broadcast the other ranks would wait in
         message = "rank 0 must pass the full optimizer state dict (with 'state' and"
-        with pytest.raises(ValueError, match=re.escape(message)):
+        with pytest.raises(ValueError, match=re.escape(message)):  # every rank, agreed
             FSDP.optim_state_dict_to_load(model, optim, None)  # type: ignore[arg-type]
     return True
 
 
 def test_rank0_only_optim_load_without_state_on_rank0() -> None:
     """With a rank0_only FULL optimizer config, rank 0 passing None to
-    optim_state_dict_to_load."""
-    assert run_on_ranks(2, _rank0_only_load_without_state) == [True, False]
+    optim_state_dict_to_load: every rank raises (rank 0 alone did, and the others waited
+    in the broadcast of the state dict's layout until the group's timeout)."""
+    assert run_on_ranks(2, _rank0_only_load_without_state) == [True, True]
 
 
 # ----------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import io
 import os
 import pickle
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -227,6 +228,55 @@ def test_interrupted_swap_falls_back_to_previous(tmp_path: Path) -> None:
     assert metadata["step"] == 2 and metadata["world_size"] == 2
     run_on_ranks(2, _save_twice, str(path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def _load_what_each_rank_finds(paths: list[str]) -> str:
+    """Load with each rank given its own path (as ranks on hosts that see different
+    folders would find them): the error every rank raises."""
+    model = _model(ShardingStrategy.FULL_SHARD, False, seed=0)
+    with pytest.raises((FileNotFoundError, ValueError)) as info:
+        ckpt.load(paths[dist.get_rank()], model, _adam(model))
+    return f"{type(info.value).__name__}: {info.value}"
+
+
+def test_ranks_that_find_different_checkpoints_all_raise(tmp_path: Path) -> None:
+    """Each rank resolves the path on its own file system. A rank that finds no checkpoint,
+    or ranks that find different ones (a save swapping it in between their looks: one
+    finds the folder, another its previous one), raised on some ranks only, the others
+    waiting in the load's collectives, or loaded two different checkpoints. Every rank now
+    raises the same error, naming each rank's finding."""
+    path = tmp_path / "ckpt"
+    run_on_ranks(2, _save_twice, str(path))
+    missing = run_on_ranks(2, _load_what_each_rank_finds, [str(path), str(tmp_path / "none")])
+    for message in missing:  # each names its own path first, then every rank's finding
+        assert message.startswith("FileNotFoundError: cannot load the checkpoint at"), missing
+        assert message.endswith(f"rank 1: FileNotFoundError: no checkpoint at {tmp_path}/none")
+    swapping = tmp_path / "swapping"
+    shutil.copytree(path, swapping)
+    shutil.copytree(path, tmp_path / ".swapped.previous")  # rank 1 finds only the previous
+    paths = [str(swapping), str(tmp_path / "swapped")]  # rank 1 warns that it found the previous
+    found = run_on_ranks(2, _load_what_each_rank_finds, paths)
+    for message in found:
+        assert message.startswith("ValueError: the ranks found different checkpoints"), found
+        assert "(rank 0: current; rank 1: previous)" in message, found
+
+
+def _save_where_rank0_cannot_write(path: str) -> str:
+    model = _model(ShardingStrategy.FULL_SHARD, False, seed=0)
+    with pytest.raises(OSError) as info:
+        ckpt.save(path, model, _adam(model), step=1)
+    return str(info.value)
+
+
+def test_a_save_rank0_cannot_write_fails_on_every_rank(tmp_path: Path) -> None:
+    """Rank 0 creates the folder and swaps the checkpoint in; where that fails (here the
+    parent is a file), every rank raises rank 0's error. The others waited in a barrier
+    and learned only that rank 0 was gone, or nothing until the group's timeout."""
+    (tmp_path / "a_file").write_text("")
+    messages = run_on_ranks(2, _save_where_rank0_cannot_write, str(tmp_path / "a_file" / "ckpt"))
+    assert messages[0] == messages[1], messages
+    assert "checkpoint.save failed on rank 0 while creating" in messages[0], messages
+    assert "FileExistsError" in messages[0], messages
 
 
 # -- metadata, mismatches, safety ----------------------------------------------------------------
