@@ -33,7 +33,6 @@ import hashlib
 import json
 import logging
 import os
-import pickle
 import shutil
 import uuid
 import warnings
@@ -45,15 +44,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
 
 from ._comm.collectives import CollectiveError, lost_a_peer, named
 from ._engine.unit import units_in
+from ._safe_dcp import SafeLoadPlanner, SafeReader
 from .api import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 
@@ -349,78 +344,6 @@ def _commit(partial: Path, path: Path) -> None:
 # -- loading -----------------------------------------------------------------------------------
 
 
-_METADATA_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata",
-        "ChunkStorageMetadata",
-        "MetadataIndex",
-        "BytesStorageMetadata",
-        "StorageMeta",
-        "TensorProperties",
-        "TensorStorageMetadata",
-        "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-}
-"""What DCP's metadata pickle may name (what torch 2.4-2.13 write), besides torch dtypes."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _METADATA_GLOBALS.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(
-            f"checkpoint metadata refers to {module}.{name}, which a DCP checkpoint's metadata "
-            "never holds; refusing to load it (it could run code)"
-        )
-
-
-class _SafeReader(FileSystemReader):
-    """DCP's file reader, with the metadata unpickled safely and its data files checked to
-    lie inside the checkpoint folder."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        folder = Path(self.path)
-        with open(folder / ".metadata", "rb") as handle:
-            try:
-                metadata = _MetadataUnpickler(handle).load()
-            except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as error:
-                raise ValueError(
-                    f"checkpoint {folder}: unreadable DCP metadata: {error}"
-                ) from error
-        if not isinstance(metadata, Metadata):
-            raise ValueError(f"checkpoint {folder}: .metadata holds {type(metadata).__name__}")
-        root = folder.resolve()
-        for info in (metadata.storage_data or {}).values():
-            relative = getattr(info, "relative_path", None)
-            if relative is None or not (root / relative).resolve().is_relative_to(root):
-                raise ValueError(
-                    f"checkpoint {folder}: its metadata points at {relative!r}, outside the "
-                    "checkpoint folder; refusing to read it"
-                )
-        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
-        storage_meta.load_id = self.load_id
-        metadata.storage_meta = storage_meta
-        return metadata
-
-
-class _SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, but non-tensor items are unpickled with ``weights_only=True``."""
-
-    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
-
-
 def _resolve(path: Path) -> Path:
     if (path / METADATA_FILE).is_file():
         return path
@@ -608,7 +531,7 @@ def load(
     }
     if extra_tensors:
         state["extra"] = extra_tensors
-    dcp.load(state, storage_reader=_SafeReader(folder), planner=_SafeLoadPlanner())
+    dcp.load(state, storage_reader=SafeReader(folder), planner=SafeLoadPlanner())
     _load_states(model, optim, state)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     if metadata["world_size"] != world_size:

@@ -31,6 +31,7 @@ from fullshard import (
     StateDictType,
 )
 from fullshard import FullyShardedDataParallel as FSDP
+from fullshard._safe_dcp import MetadataUnpickler, SafeLoadPlanner
 from fullshard.wrap import ModuleWrapPolicy
 from harness import RankError, run_on_ranks
 
@@ -333,7 +334,7 @@ def _load_refuses_pickled_code(path: str) -> None:
     dcp.save(state, checkpoint_id=path)
     # DCP wraps the rank's error in a CheckpointException (a BaseException).
     with pytest.raises(BaseException, match="Weights only load failed"):
-        dcp.load({"value": None}, checkpoint_id=path, planner=ckpt._SafeLoadPlanner())
+        dcp.load({"value": None}, checkpoint_id=path, planner=SafeLoadPlanner())
     assert not os.path.exists(f"{path}.pwned")
 
 
@@ -393,7 +394,7 @@ def test_tampered_metadata_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "m.pwned").exists()
 
     with open(metadata_file, "wb") as handle:
-        metadata = ckpt._MetadataUnpickler(io.BytesIO(good)).load()
+        metadata = MetadataUnpickler(io.BytesIO(good)).load()
         first = next(iter(metadata.storage_data))
         metadata.storage_data[first].relative_path = "../../outside.distcp"
         pickle.dump(metadata, handle)
