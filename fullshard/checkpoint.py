@@ -372,12 +372,12 @@ def _agreed_checkpoint(path: Path) -> tuple[Path, dict[str, Any]]:
     checkpoints. Every rank raises the same error instead."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         folder = _resolve(path)
-        return folder, read_metadata(folder)
-    choice, problem, missing = "", "", False
+        return folder, _read_metadata_of(folder)
+    folder, choice, problem, missing = path, "", "", False
     metadata: dict[str, Any] = {}
     try:
         folder = _resolve(path)
-        metadata = read_metadata(folder)
+        metadata = _read_metadata_of(folder)
         choice = "current" if folder == path else "previous"
     except (OSError, ValueError) as error:
         problem, missing = f"{type(error).__name__}: {error}", isinstance(error, FileNotFoundError)
@@ -394,12 +394,16 @@ def _agreed_checkpoint(path: Path) -> tuple[Path, dict[str, Any]]:
             f"the ranks found different checkpoints at {path} ({found}): a save was swapping "
             "it in while they looked. Load again once the save has finished"
         )
-    return (path if choice == "current" else _previous(path)), metadata
+    return folder, metadata
 
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The metadata of the checkpoint at ``path`` (no process group needed)."""
-    folder = _resolve(Path(path))
+    return _read_metadata_of(_resolve(Path(path)))
+
+
+def _read_metadata_of(folder: Path) -> dict[str, Any]:
+    """The metadata in the checkpoint ``folder`` (already resolved), checked for its format."""
     try:
         with open(folder / METADATA_FILE, encoding="utf-8") as handle:
             metadata = json.load(handle)
