@@ -1,8 +1,10 @@
 """Run one function on N ranks of a gloo process group, in persistent worker processes.
 
 Spawning a process and importing torch costs seconds, so the harness keeps a pool of N
-workers per world size alive and reuses it across tests. At most one pool is alive at a
-time: asking for another world size shuts the old pool down (the CI machine has 2 cores).
+workers per world size alive and reuses it across tests. Pools of the last
+``KEPT_POOLS`` world sizes used stay alive (the suite alternates between 2, 3 and 4 ranks
+from one parametrized test to the next, and each new pool costs seconds); an idle pool's
+workers wait on their pipes and take no CPU.
 
 Each worker initialises ``torch.distributed`` once (gloo, a ``FileStore`` in the pool's
 temporary folder, a short default timeout so a stuck collective errors instead of hanging)
@@ -89,6 +91,8 @@ STACK_DUMP_WAIT_S = 2.0
 """How long to wait for a stuck worker to write its stacks after SIGUSR1."""
 OUTPUT_TAIL_CHARS = 4000
 """How much of a failing rank's output goes into the error message."""
+KEPT_POOLS = 4
+"""How many pools (one per world size, the most recently used) stay alive between calls."""
 
 
 class RankError(RuntimeError):
@@ -621,37 +625,51 @@ def _stuck_summary(stuck: list[int], after_failure: bool, timeout: float) -> str
     return f"ranks {stuck} did not answer {why} ({hint})"
 
 
-_POOL: _Pool | None = None
+_POOLS: dict[int, _Pool] = {}
+"""The live pools by world size, least recently used first."""
+_LAST_WORLD_SIZE: int | None = None
 
 
 def _get_pool(world_size: int) -> _Pool:
-    """The live pool for ``world_size``, replacing a pool of another size."""
+    """The live pool for ``world_size`` (started if there is none, or it died), keeping
+    at most ``KEPT_POOLS`` pools alive."""
     __tracebackhide__ = True
-    global _POOL
-    if _POOL is not None and (_POOL.world_size != world_size or not _POOL.all_alive()):
-        shutdown_pool()
-    if _POOL is None:
+    global _LAST_WORLD_SIZE
+    _LAST_WORLD_SIZE = world_size
+    pool = _POOLS.pop(world_size, None)
+    if pool is not None and not pool.all_alive():
+        pool.discard()
+        pool = None
+    if pool is None:
         pool = _Pool(world_size)
         try:
             pool.wait_ready()
         except BaseException:
             pool.discard()
             raise
-        _POOL = pool
-    return _POOL
+    _POOLS[world_size] = pool  # now the most recently used
+    while len(_POOLS) > KEPT_POOLS:
+        _POOLS.pop(next(iter(_POOLS))).close()
+    return pool
+
+
+def _forget_pool(pool: _Pool) -> None:
+    """Drop ``pool`` (dead, or in an unknown state): the next call of its size starts anew."""
+    if _POOLS.get(pool.world_size) is pool:
+        del _POOLS[pool.world_size]
 
 
 def shutdown_pool() -> None:
-    """Stop the worker pool if one is alive (at exit, at session end, on size change)."""
-    global _POOL
-    pool, _POOL = _POOL, None
-    if pool is not None:
-        pool.close()
+    """Stop every live pool (at exit, at session end)."""
+    while _POOLS:
+        _POOLS.pop(next(iter(_POOLS))).close()
 
 
 def pool_pids() -> list[int | None]:
-    """Process ids of the live pool's workers (empty if none): lets tests check reuse."""
-    return [] if _POOL is None else _POOL.pids
+    """Process ids of the workers of the last world size called, if its pool is alive (empty
+    if not): lets tests check reuse."""
+    pool = _POOLS.get(_LAST_WORLD_SIZE) if _LAST_WORLD_SIZE is not None else None
+    return [] if pool is None else pool.pids
 
 
 def _call_name(fn: Callable[..., Any]) -> str:
@@ -701,16 +719,15 @@ def run_on_ranks(
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     payload = _pickle_call(fn, args, kwargs)
     pool = _get_pool(world_size)
-    global _POOL
     try:
         results, skip_reason = pool.run(_call_name(fn), payload, env, timeout)
     except RankError:
         if not pool.alive:
-            _POOL = None
+            _forget_pool(pool)
         raise
     except BaseException:
         # An interrupt mid-call: the workers' state is unknown, start afresh next time.
-        _POOL = None
+        _forget_pool(pool)
         pool.discard()
         raise
     if skip_reason is not None:

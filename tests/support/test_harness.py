@@ -350,16 +350,30 @@ def test_check_ddp_parity_detects_perturbed_parameter() -> None:
     assert all("differs from DDP's" in m for m in messages), messages
 
 
-# Last: switching world size replaces the pool (a later test of size 2 starts another).
-def test_pool_replaced_when_world_size_changes() -> None:
-    """Asking for another world size shuts the old pool down and starts a new one."""
-    old_pids = run_on_ranks(2, _getpid)
+def test_pools_of_other_world_sizes_stay_alive() -> None:
+    """Asking for another world size starts another pool and keeps the first: the suite
+    alternates world sizes from one parametrized test to the next."""
+    two = run_on_ranks(2, _getpid)
     assert run_on_ranks(1, _rank_info, "solo") == [(0, 1, "gloo", "solo")]
-    assert len(harness.pool_pids()) == 1
-    assert harness.pool_pids()[0] not in old_pids
+    one = harness.pool_pids()
+    assert len(one) == 1 and one[0] not in two
+    assert run_on_ranks(2, _getpid) == two == harness.pool_pids()
 
 
-# After the world-size switch: it kills the 1-rank pool, which no later test here reuses.
+def test_least_recently_used_pool_stops_beyond_the_kept_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Beyond ``KEPT_POOLS`` live pools, the least recently used one is stopped."""
+    two = run_on_ranks(2, _getpid)
+    monkeypatch.setattr(harness, "KEPT_POOLS", 1)
+    run_on_ranks(1, _getpid)
+    for pid in two:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # stopped and reaped: no such process
+    assert run_on_ranks(2, _getpid) != two
+
+
+# It kills the 1-rank pool, which no later test here reuses.
 def test_dead_worker_reported_with_exit_code() -> None:
     """A worker that dies mid-call is reported with its exit code; the next call recovers."""
     with pytest.raises(RankError, match=r"rank 0 failed with a dead worker") as info:
