@@ -204,28 +204,39 @@ class _RankView:
     """The FQNs of every parameter its optimizer holds, in the optimizer's order."""
     managed: list[str]
     """Those of ``held`` that FSDP shards (their states are gathered across ranks)."""
+    problem: str = ""
+    """Why this rank cannot build the state dict (raised on every rank after the exchange)."""
 
 
 def _exchange_metadata(
-    ordered: list[_OptimParam], states: dict[int, dict[str, Any]], group: Any
+    ordered: list[_OptimParam], states: dict[int, dict[str, Any]], group: Any, problem: str
 ) -> tuple[dict[str, dict[str, _StateMeta]], list[str]]:
     """Per managed original parameter's FQN, its state keys as any rank knows them (the first
     rank that has a key describes it), and rank 0's optimizer's FQNs in its order, which
-    orders the state dict on every rank (as torch's). One ``all_gather_object``."""
-    mine = _RankView({}, [fqn for op in ordered for fqn in op.fqns], [])
-    for op in ordered:
-        if op.handle is None:
-            continue
-        mine.managed.extend(op.fqns)
-        state = states.get(id(op.param))
-        if state:
-            described = {key: _describe(value, op, key) for key, value in state.items()}
-            mine.states.update(dict.fromkeys(op.fqns, described))
+    orders the state dict on every rank (as torch's). One ``all_gather_object``; a
+    ``problem`` (or a state this rank cannot describe) raises on every rank after it."""
+    mine = _RankView({}, [fqn for op in ordered for fqn in op.fqns], [], problem)
+    try:
+        for op in ordered:
+            if op.handle is None:
+                continue
+            mine.managed.extend(op.fqns)
+            state = states.get(id(op.param))
+            if state:
+                described = {key: _describe(value, op, key) for key, value in state.items()}
+                mine.states.update(dict.fromkeys(op.fqns, described))
+    except ValueError as error:
+        mine.problem = mine.problem or str(error)
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if mine.problem:
+            raise ValueError(mine.problem)
         return mine.states, mine.held
     every: list[Any] = [None] * dist.get_world_size(group)
     with comm.named("the exchange of optimizer state metadata", group):
         dist.all_gather_object(every, mine, group=group)
+    problems = [f"rank {rank}: {view.problem}" for rank, view in enumerate(every) if view.problem]
+    if problems:
+        raise ValueError("; ".join(problems))
     _check_same_managed(every)
     merged: dict[str, dict[str, _StateMeta]] = {}
     for rank, view in enumerate(every):
@@ -396,9 +407,12 @@ def produce(
     _check_idle(units, "optim_state_dict()")
     params, unit_fqns = _model_params(model, units)
     groups = [list(group["params"]) for group in optim.param_groups]
-    ordered = _optimizer_params(params, groups, "optim_state_dict()")
-    states = _local_states(optim, ordered, source)
-    metadata, rank0_order = _exchange_metadata(ordered, states, group)
+    try:
+        ordered, problem = _optimizer_params(params, groups, "optim_state_dict()"), ""
+    except ValueError as error:  # raised on every rank once the ranks have exchanged it
+        ordered, problem = [], str(error)
+    states = _local_states(optim, ordered, source) if not problem else {}
+    metadata, rank0_order = _exchange_metadata(ordered, states, group, problem)
     keep = not (full and rank0_only and dist.is_initialized() and dist.get_rank(group) != 0)
     device_type = units[0].compute_device.type if units else "cpu"
     tensors: dict[tuple[str, str], Any] = {}

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import pytest
@@ -502,6 +503,25 @@ def _errors() -> None:
 def test_optim_state_dict_errors() -> None:
     """Id-keyed dicts, unknown names, wrong shapes and foreign optimizers get clear errors."""
     run_on_ranks(2, _errors)
+
+
+def _foreign_parameter_on_one_rank() -> str:
+    model = _wrap(ShardingStrategy.FULL_SHARD, use_orig_params=True)
+    optim = _optimizer("adam", list(model.parameters()))
+    _step(model, optim, dist.get_rank(), 0)
+    if dist.get_rank() == 1:
+        optim.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+    with pytest.raises(ValueError, match="not in the model") as raised:
+        FSDP.optim_state_dict(model, optim)
+    return str(raised.value)
+
+
+def test_an_optimizer_wrong_on_one_rank_raises_on_every_rank() -> None:
+    """Only rank 1's optimizer holds a parameter outside the model: every rank raises,
+    naming it (rank 0 would otherwise wait in the metadata exchange until the timeout)."""
+    messages = run_on_ranks(2, _foreign_parameter_on_one_rank)
+    assert messages[0] == messages[1]
+    assert re.match(r"rank 1: optim_state_dict\(\): param group \d+ .* shape \(3,\)", messages[0])
 
 
 def _steps_of_parameters_held_elsewhere() -> None:
