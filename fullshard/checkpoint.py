@@ -35,7 +35,6 @@ import logging
 import os
 import shutil
 import uuid
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ._checkpoint_folder import FORMAT, METADATA_FILE, read_metadata, read_metadata_of
+from ._checkpoint_folder import previous as _previous
+from ._checkpoint_folder import resolve as _resolve
 from ._comm.collectives import CollectiveError, lost_a_peer, named
 from ._engine.unit import units_in
 from ._safe_dcp import SafeLoadPlanner, SafeReader
@@ -56,8 +58,6 @@ __all__ = ["CheckpointCorruptedError", "CheckpointMismatchError", "load", "read_
 
 logger = logging.getLogger(__name__)
 
-METADATA_FILE = "fullshard.json"
-_FORMAT = "fullshard-checkpoint"
 _VERSION = 1
 
 
@@ -291,7 +291,7 @@ def _metadata(
     if optim is not None:
         optim_states = {fqn: sorted(s) for fqn, s in state["optim"]["state"].items()}
     return {
-        "format": _FORMAT,
+        "format": FORMAT,
         "version": _VERSION,
         "step": values.get("step"),
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
@@ -323,10 +323,6 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _previous(path: Path) -> Path:
-    return path.parent / f".{path.name}.previous"
-
-
 def _commit(partial: Path, path: Path) -> None:
     """Swap the complete ``partial`` folder in as ``path`` (rank 0)."""
     previous = _previous(path)
@@ -344,25 +340,6 @@ def _commit(partial: Path, path: Path) -> None:
 # -- loading -----------------------------------------------------------------------------------
 
 
-def _resolve(path: Path) -> Path:
-    if (path / METADATA_FILE).is_file():
-        return path
-    previous = _previous(path)
-    if (previous / METADATA_FILE).is_file():
-        warnings.warn(
-            f"checkpoint {path} is missing (a save was interrupted while swapping it in); "
-            f"loading the previous complete one, {previous}",
-            stacklevel=3,
-        )
-        return previous
-    if path.exists():
-        raise ValueError(
-            f"{path} is not a complete fullshard checkpoint: it has no {METADATA_FILE} (a save "
-            "that did not finish, or a folder written by something else)"
-        )
-    raise FileNotFoundError(f"no checkpoint at {path}")
-
-
 def _agreed_checkpoint(path: Path) -> tuple[Path, dict[str, Any]]:
     """The checkpoint folder at ``path`` and its metadata, agreed by every rank: each rank
     resolves ``path`` on its own file system (it may be a host's own mount), so a rank that
@@ -372,12 +349,12 @@ def _agreed_checkpoint(path: Path) -> tuple[Path, dict[str, Any]]:
     checkpoints. Every rank raises the same error instead."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         folder = _resolve(path)
-        return folder, _read_metadata_of(folder)
+        return folder, read_metadata_of(folder)
     folder, choice, problem, missing = path, "", "", False
     metadata: dict[str, Any] = {}
     try:
         folder = _resolve(path)
-        metadata = _read_metadata_of(folder)
+        metadata = read_metadata_of(folder)
         choice = "current" if folder == path else "previous"
     except (OSError, ValueError) as error:
         problem, missing = f"{type(error).__name__}: {error}", isinstance(error, FileNotFoundError)
@@ -395,24 +372,6 @@ def _agreed_checkpoint(path: Path) -> tuple[Path, dict[str, Any]]:
             "it in while they looked. Load again once the save has finished"
         )
     return folder, metadata
-
-
-def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The metadata of the checkpoint at ``path`` (no process group needed)."""
-    return _read_metadata_of(_resolve(Path(path)))
-
-
-def _read_metadata_of(folder: Path) -> dict[str, Any]:
-    """The metadata in the checkpoint ``folder`` (already resolved), checked for its format."""
-    try:
-        with open(folder / METADATA_FILE, encoding="utf-8") as handle:
-            metadata = json.load(handle)
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"{folder / METADATA_FILE} is unreadable: {error}") from error
-    found = metadata.get("format") if isinstance(metadata, dict) else type(metadata).__name__
-    if found != _FORMAT:
-        raise ValueError(f"{folder} is not a fullshard checkpoint (format {found!r})")
-    return metadata
 
 
 def _check_model(folder: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:

@@ -2,8 +2,9 @@
 
 The command-line layer: it may import the engine, never the reverse (tests/unit/test_layers.py).
 
-- `fullshard.cli.launch`: ``fullshard train`` in the calling process: validates the options,
-  then starts the ranks through torch's elastic launcher.
+- `fullshard.cli.launch`: ``fullshard train`` in the calling process: validates the options
+  (importing no torch, so a refusal answers at once), then starts the ranks through torch's
+  elastic launcher.
 - `fullshard.cli.train`: one rank of ``fullshard train`` (``python -m fullshard.cli.train``),
   with its options (`fullshard.cli.train_options`), its model sharded through either front
   door, ``--api fsdp1`` or ``fsdp2`` (`fullshard.cli.train_model`), its data

@@ -54,6 +54,7 @@ from .._fsdp2 import fully_shard
 from ..api import (
     CPUOffload,
     CPUOffloadPolicy,
+    MixedPrecision,
     MixedPrecisionPolicy,
     OffloadPolicy,
     ShardingStrategy,
@@ -62,10 +63,11 @@ from ..compress import bf16_gradients, int8_all_gather
 from ..examples.gpt import GPT, Block, num_params
 from ..fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 from ..wrap import ModuleWrapPolicy
-from .train_options import PRECISIONS, TrainConfig
+from .train_options import TrainConfig
 
 __all__ = [
     "POLICIES",
+    "PRECISIONS",
     "TP_PLAN",
     "build_model",
     "clip_grad_norm",
@@ -76,6 +78,13 @@ __all__ = [
     "hybrid_mesh",
     "model_params",
 ]
+
+PRECISIONS: dict[str, MixedPrecision | None] = {
+    "none": None,
+    "bf16": MixedPrecision(param_dtype=torch.bfloat16),
+}
+"""``--mixed-precision`` (`fullshard.cli.train_options.PRECISIONS`) for
+``FullyShardedDataParallel``."""
 
 POLICIES: dict[str, MixedPrecisionPolicy] = {
     "none": MixedPrecisionPolicy(),

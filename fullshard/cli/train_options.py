@@ -11,25 +11,24 @@ import argparse
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from ..api import MixedPrecision
-from ..examples.gpt import GPTConfig
 from . import reshard_flag
 from .plan import PRESETS, tp_problem
+
+if TYPE_CHECKING:
+    from ..examples.gpt import GPTConfig
 
 _STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 APIS = ("fsdp1", "fsdp2")
 """fsdp1: ``FullyShardedDataParallel``; fsdp2: ``fully_shard`` (`fullshard.cli.train_model`)."""
 TRAIN_PRESETS = ("tiny", "small", "medium", "100m")
 """`fullshard.cli.plan.PRESETS` that are GPTs the ranks build."""
-PRECISIONS: dict[str, MixedPrecision | None] = {
-    "none": None,
-    "bf16": MixedPrecision(param_dtype=torch.bfloat16),
-}
-"""fp16 needs loss scaling (ShardedGradScaler), which the ranks do not do yet."""
+PRECISIONS = ("none", "bf16")
+"""``--mixed-precision``'s choices (`fullshard.cli.train_model` maps them to each API's
+policy). fp16 needs loss scaling (ShardedGradScaler), which the ranks do not do yet.
+
+This module imports no torch: the launcher refuses bad options in a fraction of a second."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +76,8 @@ class TrainConfig:
         return self.sharding_strategy != "SHARD_GRAD_OP"
 
     def gpt(self) -> GPTConfig:
+        from ..examples.gpt import GPTConfig
+
         shape = PRESETS[self.preset]
         return GPTConfig(
             seq_len=self.seq_len,
@@ -168,7 +169,7 @@ def _add_fsdp_arguments(parser: argparse.ArgumentParser) -> None:
     )
     fsdp.add_argument(
         "--mixed-precision",
-        choices=tuple(PRECISIONS),
+        choices=PRECISIONS,
         default="none",
         help="compute and communicate in this dtype; the fp32 shard stays the master copy",
     )
@@ -222,7 +223,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     _check_api_options(args, parser)
     if args.resume and args.overwrite:
         parser.error("--resume and --overwrite contradict each other; pick one")
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if args.device == "cuda" and not _cuda_available():
         parser.error("--device cuda was given but CUDA is not available on this machine")
     if args.data is not None:
         data = Path(args.data)
@@ -258,6 +259,12 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         tp=args.tp,
         compress_comm=args.compress_comm,
     )
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _check_api_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

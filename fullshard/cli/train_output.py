@@ -13,13 +13,14 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
-from .. import checkpoint
+from .._checkpoint_folder import previous, read_metadata
 from .train_options import TrainConfig
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def checkpoint_path(config: TrainConfig) -> Path:
 def has_checkpoint(config: TrainConfig) -> bool:
     """Whether ``<out>`` holds a checkpoint (or, after a crash mid-swap, its previous one)."""
     path = checkpoint_path(config)
-    return path.exists() or path.with_name(f".{path.name}.previous").exists()
+    return path.exists() or previous(path).exists()
 
 
 def checkpoint_problem(config: TrainConfig, resuming: bool) -> str | None:
@@ -54,7 +55,7 @@ def checkpoint_problem(config: TrainConfig, resuming: bool) -> str | None:
     if not resuming:
         return None
     try:
-        metadata = checkpoint.read_metadata(path)
+        metadata = read_metadata(path)
     except ValueError as error:
         return f"--resume: {error}"
     saved = metadata["extra"].get("run")
@@ -91,6 +92,8 @@ def resume_state(
         return None
     if not resuming:
         return None  # --overwrite
+    from .. import checkpoint
+
     path = checkpoint_path(config)
     extras = checkpoint.load(path, model, optimizer)
     logger.info("resumed from %s at step %d", path, extras["step"])

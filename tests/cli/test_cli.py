@@ -295,6 +295,26 @@ def test_train_mistakes_get_clear_messages_before_any_rank_starts(tmp_path: Path
         for (args, message), result in zip(cases, results):
             assert result.returncode == 2, (args, result.stderr[-2000:])
             assert message in result.stderr, (args, result.stderr[-2000:])
+    # The refusals that read no rendezvous answer without importing torch (about a second
+    # and a half here), the checkpoint's among them.
+    code = (
+        "import json, sys\n"
+        "from fullshard.cli import main\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as stop:\n"
+        "        assert stop.code == 2, (argv, stop.code)\n"
+        "    else:\n"
+        "        raise AssertionError(f'{argv} was not refused')\n"
+        "assert 'torch' not in sys.modules, 'a refusal imported torch'\n"
+    )
+    quick = [["train", *TINY, *args] for args, _ in cases[:2] + cases[4:8]]
+    result = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(quick)],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_train_reads_a_folder_of_text_and_rejects_a_corpus_too_small(tmp_path: Path) -> None:
