@@ -172,7 +172,8 @@ def _save(
 ) -> None:
     token = [uuid.uuid4().hex[:12]]
     if dist.is_initialized():
-        dist.broadcast_object_list(token, src=0)
+        with named("the broadcast of the checkpoint's partial folder name"):
+            dist.broadcast_object_list(token, src=0)
     partial = path.parent / f".{path.name}.partial-{token[0]}"
     state = _states(model, optim)
     if tensors:

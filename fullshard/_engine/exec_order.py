@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from .._comm.collectives import named
+
 if TYPE_CHECKING:
     from .flat_param import FlatParamHandle
 
@@ -73,7 +75,8 @@ class ExecOrderValidator:
     def _check_across_ranks(self, handle: FlatParamHandle, index: int) -> None:
         mine = torch.tensor([index], dtype=torch.int64, device=handle.device)  # NCCL: on GPU
         gathered = [torch.empty_like(mine) for _ in range(handle.groups.shard_size)]
-        dist.all_gather(gathered, mine, group=handle.groups.shard)
+        with named("the check of the forward order across ranks", handle.groups.shard):
+            dist.all_gather(gathered, mine, group=handle.groups.shard)
         indices = [int(t.item()) for t in gathered]
         if len(set(indices)) > 1:
             names = dict(enumerate(self._names))
