@@ -220,14 +220,21 @@ def _staging_after_steps(num_ranks: int) -> tuple[int, int]:
     from fullshard.memory import estimate
 
     torch.manual_seed(0)
-    model = FSDP(nn.Sequential(*[FSDP(nn.Linear(200, 200)) for _ in range(3)]))
+    # A group of its own: its transport is made here, with this call's cell size (the
+    # default group's was made by whichever earlier test used these workers first).
+    group = dist.new_group(list(range(num_ranks)))
+    units = [FSDP(nn.Linear(200, 200), process_group=group) for _ in range(3)]
+    model = FSDP(nn.Sequential(*units), process_group=group)
     for _ in range(3):
         model(torch.randn(2, 200)).sum().backward()
-    transport = shm._TRANSPORTS[dist.group.WORLD]
+    transport = shm._TRANSPORTS[group]
     assert transport is not None
     cell = switches.current().shm_cell_bytes
     predicted = estimate([200 * 200 + 200] * 3, num_ranks, shared_memory_cell_bytes=cell)
-    return transport.resident_bytes(), predicted.staging
+    touched = transport.resident_bytes()
+    del model, units, transport
+    dist.destroy_process_group(group)
+    return touched, predicted.staging
 
 
 @pytest.mark.parametrize("num_ranks", [2, 3])
