@@ -93,6 +93,10 @@ OUTPUT_TAIL_CHARS = 4000
 """How much of a failing rank's output goes into the error message."""
 KEPT_POOLS = 4
 """How many pools (one per world size, the most recently used) stay alive between calls."""
+SHM_RECYCLE_BYTES = 2 * 2**30
+"""A pool whose workers map more of fullshard's shared-memory files than this (the
+transports of process groups that tests made and never destroyed, e.g. their device meshes'
+groups) is restarted before its next call, which frees them."""
 
 
 class RankError(RuntimeError):
@@ -640,6 +644,9 @@ def _get_pool(world_size: int) -> _Pool:
     if pool is not None and not pool.all_alive():
         pool.discard()
         pool = None
+    if pool is not None and _mapped_shm_bytes(pool.pids[0]) > SHM_RECYCLE_BYTES:
+        pool.close()
+        pool = None
     if pool is None:
         pool = _Pool(world_size)
         try:
@@ -651,6 +658,21 @@ def _get_pool(world_size: int) -> _Pool:
     while len(_POOLS) > KEPT_POOLS:
         _POOLS.pop(next(iter(_POOLS))).close()
     return pool
+
+
+def _mapped_shm_bytes(pid: int | None) -> int:
+    """Bytes of fullshard's shared-memory transport files that process ``pid`` maps (0
+    where /proc cannot tell)."""
+    total = 0
+    try:
+        with open(f"/proc/{pid}/maps", encoding="utf-8") as maps:
+            for line in maps:
+                if "/fullshard-" in line:
+                    start, end = line.split(maxsplit=1)[0].split("-")
+                    total += int(end, 16) - int(start, 16)
+    except OSError:
+        return 0
+    return total
 
 
 def _forget_pool(pool: _Pool) -> None:

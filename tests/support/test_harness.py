@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -371,6 +372,35 @@ def test_least_recently_used_pool_stops_beyond_the_kept_count(
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # stopped and reaped: no such process
     assert run_on_ranks(2, _getpid) != two
+
+
+_KEPT_GROUPS: list[Any] = []
+
+
+def _group_with_a_transport() -> int:
+    """A group the call does not destroy, whose shared-memory transport stays mapped."""
+    from fullshard._comm import collectives as comm
+
+    group = dist.new_group([0, 1])
+    comm.all_gather_into(torch.empty(2), torch.ones(1), group, "t").wait()
+    _KEPT_GROUPS.append(group)
+    return harness._mapped_shm_bytes(os.getpid())
+
+
+def test_a_pool_that_maps_too_much_shared_memory_is_restarted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Groups that tests never destroy keep their transports' files mapped: past
+    ``SHM_RECYCLE_BYTES`` the pool is restarted before its next call, under it it is kept."""
+    monkeypatch.setattr(harness, "SHM_RECYCLE_BYTES", 2**62)
+    first = run_on_ranks(2, _getpid)
+    mapped = run_on_ranks(2, _group_with_a_transport)
+    assert min(mapped) > 0
+    assert run_on_ranks(2, _getpid) == first
+    monkeypatch.setattr(harness, "SHM_RECYCLE_BYTES", min(mapped) - 1)
+    second = run_on_ranks(2, _getpid)
+    assert not set(second) & set(first)
+    assert run_on_ranks(2, _getpid) == second  # the new pool maps nothing yet
 
 
 # It kills the 1-rank pool, which no later test here reuses.
