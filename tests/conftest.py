@@ -36,5 +36,5 @@ for _path in harness.TEST_PATHS:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Stop the multi-rank worker pool when the session ends, not at interpreter exit."""
+    """Stop the multi-rank worker pools when the session ends, not at interpreter exit."""
     harness.shutdown_pool()

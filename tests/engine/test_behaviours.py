@@ -880,7 +880,7 @@ def test_no_sync_raises_when_called_on_inner_unit() -> None:
 
 
 # ----------------------------------------------------------------------------------------
-# 8. use_orig_params on 3 ranks (last: the harness keeps one pool, of one world size)
+# 8. use_orig_params on 3 ranks
 
 
 def _overlap(start: int, end: int, shard_start: int, shard_end: int) -> tuple[int, int]:

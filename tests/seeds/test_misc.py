@@ -599,7 +599,7 @@ def test_fsdp_unsupported_module_cls() -> None:
 
 
 # ----------------------------------------------------------------------------------------
-# test_world_size_1_sharding_strategy_warning (last: it needs a 1-rank pool)
+# test_world_size_1_sharding_strategy_warning (on a 1-rank pool)
 
 
 def _world_size_1_sharding_strategy_warning() -> None:

@@ -4,7 +4,9 @@ Spawning a process and importing torch costs seconds, so the harness keeps a poo
 workers per world size alive and reuses it across tests. Pools of the last
 ``KEPT_POOLS`` world sizes used stay alive (the suite alternates between 2, 3 and 4 ranks
 from one parametrized test to the next, and each new pool costs seconds); an idle pool's
-workers wait on their pipes and take no CPU.
+workers wait on their pipes and take no CPU, but keep their memory, the shared-memory
+transports of groups tests never destroyed included: a pool whose workers map more than
+``SHM_RECYCLE_BYTES`` of them is restarted before its next call.
 
 Each worker initialises ``torch.distributed`` once (gloo, a ``FileStore`` in the pool's
 temporary folder, a short default timeout so a stuck collective errors instead of hanging)
@@ -635,8 +637,9 @@ _LAST_WORLD_SIZE: int | None = None
 
 
 def _get_pool(world_size: int) -> _Pool:
-    """The live pool for ``world_size`` (started if there is none, or it died), keeping
-    at most ``KEPT_POOLS`` pools alive."""
+    """The live pool for ``world_size`` (started if there is none, if it died, or if it
+    maps more than ``SHM_RECYCLE_BYTES`` of transports), keeping at most ``KEPT_POOLS``
+    pools alive."""
     __tracebackhide__ = True
     global _LAST_WORLD_SIZE
     _LAST_WORLD_SIZE = world_size
@@ -644,7 +647,7 @@ def _get_pool(world_size: int) -> _Pool:
     if pool is not None and not pool.all_alive():
         pool.discard()
         pool = None
-    if pool is not None and _mapped_shm_bytes(pool.pids[0]) > SHM_RECYCLE_BYTES:
+    if pool is not None and max(map(_mapped_shm_bytes, pool.pids)) > SHM_RECYCLE_BYTES:
         pool.close()
         pool = None
     if pool is None:
@@ -667,8 +670,9 @@ def _mapped_shm_bytes(pid: int | None) -> int:
     try:
         with open(f"/proc/{pid}/maps", encoding="utf-8") as maps:
             for line in maps:
-                if "/fullshard-" in line:
-                    start, end = line.split(maxsplit=1)[0].split("-")
+                fields = line.split(maxsplit=5)  # address perms offset dev inode path
+                if len(fields) == 6 and fields[5].startswith("/dev/shm/fullshard-"):
+                    start, end = fields[0].split("-")
                     total += int(end, 16) - int(start, 16)
     except OSError:
         return 0
