@@ -333,6 +333,19 @@ PEER_LOST = ("Connection closed", "Connection reset", "Broken pipe", "Timed out"
 """What gloo and NCCL say when a peer died or stopped taking part."""
 
 
+def ranks_problem(problems: list[str]) -> str:
+    """The one message every rank raises for ``problems`` (what each rank found, by rank;
+    "" for none): the text itself where every rank found the same, else each text after the
+    ranks that found it. "" if no rank found any."""
+    found: dict[str, list[str]] = {}
+    for rank, text in enumerate(problems):
+        if text:
+            found.setdefault(text, []).append(str(rank))
+    if len(found) == 1 and len(next(iter(found.values()))) == len(problems):
+        return next(iter(found))
+    return "; ".join(f"rank {', '.join(ranks)}: {text}" for text, ranks in found.items())
+
+
 def lost_a_peer(error: BaseException) -> bool:
     return any(text in str(error) for text in PEER_LOST)
 

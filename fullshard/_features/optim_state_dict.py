@@ -205,17 +205,20 @@ class _RankView:
     managed: list[str]
     """Those of ``held`` that FSDP shards (their states are gathered across ranks)."""
     problem: str = ""
-    """Why this rank cannot build the state dict (raised on every rank after the exchange)."""
+    """Why this rank cannot build the state dict (every rank raises it after the exchange)."""
 
 
 def _exchange_metadata(
-    ordered: list[_OptimParam], states: dict[int, dict[str, Any]], group: Any, problem: str
+    ordered: list[_OptimParam],
+    states: dict[int, dict[str, Any]],
+    group: Any,
+    problem: ValueError | None,
 ) -> tuple[dict[str, dict[str, _StateMeta]], list[str]]:
     """Per managed original parameter's FQN, its state keys as any rank knows them (the first
     rank that has a key describes it), and rank 0's optimizer's FQNs in its order, which
     orders the state dict on every rank (as torch's). One ``all_gather_object``; a
     ``problem`` (or a state this rank cannot describe) raises on every rank after it."""
-    mine = _RankView({}, [fqn for op in ordered for fqn in op.fqns], [], problem)
+    mine = _RankView({}, [fqn for op in ordered for fqn in op.fqns], [])
     try:
         for op in ordered:
             if op.handle is None:
@@ -226,17 +229,18 @@ def _exchange_metadata(
                 described = {key: _describe(value, op, key) for key, value in state.items()}
                 mine.states.update(dict.fromkeys(op.fqns, described))
     except ValueError as error:
-        mine.problem = mine.problem or str(error)
+        problem = problem or error
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        if mine.problem:
-            raise ValueError(mine.problem)
+        if problem is not None:
+            raise problem
         return mine.states, mine.held
+    mine.problem = "" if problem is None else str(problem)
     every: list[Any] = [None] * dist.get_world_size(group)
     with comm.named("the exchange of optimizer state metadata", group):
         dist.all_gather_object(every, mine, group=group)
-    problems = [f"rank {rank}: {view.problem}" for rank, view in enumerate(every) if view.problem]
-    if problems:
-        raise ValueError("; ".join(problems))
+    message = comm.ranks_problem([view.problem for view in every])
+    if message:
+        raise ValueError(message) from problem
     _check_same_managed(every)
     merged: dict[str, dict[str, _StateMeta]] = {}
     for rank, view in enumerate(every):
@@ -407,11 +411,12 @@ def produce(
     _check_idle(units, "optim_state_dict()")
     params, unit_fqns = _model_params(model, units)
     groups = [list(group["params"]) for group in optim.param_groups]
+    problem: ValueError | None = None
     try:
-        ordered, problem = _optimizer_params(params, groups, "optim_state_dict()"), ""
+        ordered = _optimizer_params(params, groups, "optim_state_dict()")
     except ValueError as error:  # raised on every rank once the ranks have exchanged it
-        ordered, problem = [], str(error)
-    states = _local_states(optim, ordered, source) if not problem else {}
+        ordered, problem = [], error
+    states = _local_states(optim, ordered, source) if problem is None else {}
     metadata, rank0_order = _exchange_metadata(ordered, states, group, problem)
     keep = not (full and rank0_only and dist.is_initialized() and dist.get_rank(group) != 0)
     device_type = units[0].compute_device.type if units else "cpu"

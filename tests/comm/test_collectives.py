@@ -108,3 +108,12 @@ def test_counters_keep_a_bounded_history_of_labels() -> None:
     assert counters.total_bytes == 8 * (_KEPT_LABELS + 5)
     assert len(counters.labels) == _KEPT_LABELS
     assert counters.labels[0] == ("all_gather", "unit5")
+
+
+def test_ranks_problem_names_the_ranks_unless_every_rank_found_the_same() -> None:
+    """The message every rank raises for what some ranks found: the text alone where every
+    rank found it, else each text after the ranks that found it."""
+    assert comm.ranks_problem(["", ""]) == ""
+    assert comm.ranks_problem(["bad", "bad"]) == "bad"
+    assert comm.ranks_problem(["", "bad", "bad"]) == "rank 1, 2: bad"
+    assert comm.ranks_problem(["y", "x", "y"]) == "rank 0, 2: y; rank 1: x"
