@@ -66,8 +66,8 @@ from ..wrap import ModuleWrapPolicy
 from .train_options import TrainConfig
 
 __all__ = [
+    "FSDP1_PRECISIONS",
     "POLICIES",
-    "PRECISIONS",
     "TP_PLAN",
     "build_model",
     "clip_grad_norm",
@@ -79,7 +79,7 @@ __all__ = [
     "model_params",
 ]
 
-PRECISIONS: dict[str, MixedPrecision | None] = {
+FSDP1_PRECISIONS: dict[str, MixedPrecision | None] = {
     "none": None,
     "bf16": MixedPrecision(param_dtype=torch.bfloat16),
 }
@@ -90,8 +90,8 @@ POLICIES: dict[str, MixedPrecisionPolicy] = {
     "none": MixedPrecisionPolicy(),
     "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16),
 }
-"""``--mixed-precision`` for ``fully_shard``: the same dtypes as `PRECISIONS` gives FSDP1
-(compute and reduce in bf16; the fp32 shard is the master copy)."""
+"""``--mixed-precision`` for ``fully_shard``: the same dtypes as `FSDP1_PRECISIONS` gives
+FSDP1 (compute and reduce in bf16; the fp32 shard is the master copy)."""
 
 TP_PLAN: dict[str, ParallelStyle] = {
     "attn.q": ColwiseParallel(),
@@ -163,7 +163,7 @@ def build_model(config: TrainConfig, device: torch.device) -> nn.Module:
         auto_wrap_policy=ModuleWrapPolicy({Block}),
         sharding_strategy=strategy,
         use_orig_params=config.use_orig_params,
-        mixed_precision=PRECISIONS[config.mixed_precision],
+        mixed_precision=FSDP1_PRECISIONS[config.mixed_precision],
         cpu_offload=CPUOffload(offload_params=config.cpu_offload),
         device_id=device,
         device_mesh=hybrid_mesh(device) if is_hybrid else None,

@@ -2,7 +2,8 @@
 
 The launcher (`fullshard.cli.launch`) checks them before any rank starts; every rank
 (`fullshard.cli.train`) parses the same arguments again. Errors exit through argparse,
-naming the flag.
+naming the flag. This module imports no torch, so the launcher refuses bad options in a
+fraction of a second.
 """
 
 from __future__ import annotations
@@ -26,9 +27,7 @@ TRAIN_PRESETS = ("tiny", "small", "medium", "100m")
 """`fullshard.cli.plan.PRESETS` that are GPTs the ranks build."""
 PRECISIONS = ("none", "bf16")
 """``--mixed-precision``'s choices (`fullshard.cli.train_model` maps them to each API's
-policy). fp16 needs loss scaling (ShardedGradScaler), which the ranks do not do yet.
-
-This module imports no torch: the launcher refuses bad options in a fraction of a second."""
+policy). fp16 needs loss scaling (ShardedGradScaler), which the ranks do not do yet."""
 
 
 @dataclass(frozen=True)
