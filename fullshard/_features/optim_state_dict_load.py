@@ -84,6 +84,21 @@ def _broadcast_skeleton(osd: dict[str, Any] | None, group: Any) -> dict[str, Any
     return skeleton[0]
 
 
+def _raise_on_every_rank(problem: ValueError | None, group: Any) -> None:
+    """Raise ``problem``, found on some ranks only, on every rank (the others would wait
+    in the load's collectives, or load and go on alone)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if problem is not None:
+            raise problem
+        return
+    found: list[Any] = [None] * dist.get_world_size(group)
+    with comm.named("the exchange of what each rank's optimizer holds", group):
+        dist.all_gather_object(found, "" if problem is None else str(problem), group=group)
+    message = comm.ranks_problem(found)
+    if message:
+        raise ValueError(message) from problem
+
+
 def _global_rank0(group: Any) -> int:
     return 0 if group is None else dist.get_global_rank(group, 0)
 
@@ -123,7 +138,12 @@ def load(
     check_fsdp1_units(units, where)
     _check_idle(units, where)
     params, _ = _model_params(model, units)
-    ordered = _optimizer_params(params, groups, where)
+    problem: ValueError | None = None
+    try:
+        ordered = _optimizer_params(params, groups, where)
+    except ValueError as error:  # this rank's optimizer: raised on every rank, agreed
+        ordered, problem = [], error
+    _raise_on_every_rank(problem, group)
     if rank0_only:
         skeleton = _broadcast_skeleton(osd, group)
     elif osd is None or "state" not in osd:

@@ -505,23 +505,28 @@ def test_optim_state_dict_errors() -> None:
     run_on_ranks(2, _errors)
 
 
-def _foreign_parameter_on_one_rank() -> str:
+def _foreign_parameter_on_one_rank() -> tuple[str, str]:
     model = _wrap(ShardingStrategy.FULL_SHARD, use_orig_params=True)
     optim = _optimizer("adam", list(model.parameters()))
     _step(model, optim, dist.get_rank(), 0)
+    osd = FSDP.optim_state_dict(model, optim)
     if dist.get_rank() == 1:
         optim.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
     with pytest.raises(ValueError, match="not in the model") as raised:
         FSDP.optim_state_dict(model, optim)
-    return str(raised.value)
+    with pytest.raises(ValueError, match="not in the model") as raised_in_load:
+        FSDP.optim_state_dict_to_load(model, optim, osd)
+    return str(raised.value), str(raised_in_load.value).replace("_to_load", "")
 
 
 def test_an_optimizer_wrong_on_one_rank_raises_on_every_rank() -> None:
     """Only rank 1's optimizer holds a parameter outside the model: every rank raises,
-    naming it (rank 0 would otherwise wait in the metadata exchange until the timeout)."""
+    naming it, in ``optim_state_dict`` (rank 0 would otherwise wait in the metadata exchange
+    until the timeout) and in ``optim_state_dict_to_load`` (rank 0 would load alone)."""
     messages = run_on_ranks(2, _foreign_parameter_on_one_rank)
     assert messages[0] == messages[1]
-    assert re.match(r"rank 1: optim_state_dict\(\): param group \d+ .* shape \(3,\)", messages[0])
+    for message in messages[0]:
+        assert re.match(r"rank 1: optim_state_dict\(\): param group \d+ .* shape \(3,\)", message)
 
 
 def _steps_of_parameters_held_elsewhere() -> None:
