@@ -95,10 +95,22 @@ OUTPUT_TAIL_CHARS = 4000
 """How much of a failing rank's output goes into the error message."""
 KEPT_POOLS = 4
 """How many pools (one per world size, the most recently used) stay alive between calls."""
-SHM_RECYCLE_BYTES = 2 * 2**30
+
+
+def _shm_budget() -> int:
+    """2 GiB, or an eighth of /dev/shm where that is smaller (a container's)."""
+    try:
+        stat = os.statvfs("/dev/shm")
+    except OSError:
+        return 2 * 2**30
+    return min(2 * 2**30, stat.f_frsize * stat.f_blocks // 8)
+
+
+SHM_RECYCLE_BYTES = _shm_budget()
 """A pool whose workers map more of fullshard's shared-memory files than this (the
 transports of process groups that tests made and never destroyed, e.g. their device meshes'
-groups) is restarted before its next call, which frees them."""
+groups) is restarted before its next call, which frees them: the kept pools together stay
+within half of /dev/shm."""
 
 
 class RankError(RuntimeError):
