@@ -63,7 +63,11 @@ Three kinds, each allocated by code the model can name:
   ``_engine/dim0_unsharded.py``), ``FullyShardedDataParallel``'s are views of the flat
   buffer, split from it as ``torch.split`` does (``_SplitLeaf.backward`` in
   ``_engine/flat_segment.py``; autograd holds the views' gradients until the split's
-  backward runs, as it did for ``torch.split``'s concatenation).
+  backward runs, as it did for ``torch.split``'s concatenation). Over the CPU's
+  shared-memory transport the reduce-scatter reads the gradients where they lie instead
+  ([Note: gradients reduced where autograd left them] in ``_engine/left_grads.py``): the
+  flat gradient is never written, so there the term is an upper bound (the measured peak
+  fell by about a unit's gradient; docs/benchmarks.md).
 - mixed precision (``compute_bytes != param_bytes``): the all-gather's input is the shard
   cast to the compute dtype (``FlatSegment.unshard``), alive until the all-gather lands, for
   the unit being gathered and the one prefetched (two of the largest unit's shard, compute

@@ -37,7 +37,7 @@ from torch.autograd.profiler import record_function
 
 from .. import _switches as switches
 from . import shared_memory as _shm
-from .pieces import Receiver
+from .pieces import Places, Receiver
 
 __all__: list[str] = []
 
@@ -429,6 +429,13 @@ def gather_to_first_rank(
     return issued("gather", label, group, work)
 
 
+def reduces_from_places(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
+    """Whether ``reduce_scatter_into`` over ``group`` can read ``tensor`` 's elements from
+    ``places`` (the shared-memory transport copies them into its cells anyway); asked as
+    ``gathers_into_sink`` is."""
+    return _shm.transport_for(group, tensor, named) is not None
+
+
 def reduce_scatter_into(
     output: torch.Tensor,
     full: torch.Tensor,
@@ -436,11 +443,15 @@ def reduce_scatter_into(
     label: str,
     *,
     predivide: float = 1.0,
+    places: Places | None = None,
 ) -> Pending:
     """Sum ``full / predivide`` over ``group`` and leave this rank's equal slice of the sum
     in ``output``. ``full`` may be overwritten. (The shared-memory transport divides while
-    it copies, saving a pass over ``full``; either way each element is ``x / predivide``.)"""
+    it copies, saving a pass over ``full``; either way each element is ``x / predivide``.)
+    ``places``, where ``reduces_from_places`` said so, hold ``full`` 's elements instead
+    (``full`` then only gives sizes)."""
     num_ranks = dist.get_world_size(group)
+    assert places is None or num_ranks > 1, "places need the shared-memory transport"
     if num_ranks == 1:
         output.copy_(full.view(-1)[: output.numel()].div(predivide))
         return completed("reduce_scatter", label, group)
@@ -450,8 +461,11 @@ def reduce_scatter_into(
     with record_function(f"fullshard::reduce_scatter({label})"):
         transport = _shm.transport_for(group, full, named)
         if transport is not None:
-            issue = functools.partial(transport.reduce_scatter, output, full, predivide, label)
+            issue = functools.partial(
+                transport.reduce_scatter, output, full, predivide, label, places
+            )
             return _SharedMemoryPending("reduce_scatter", label, group, transport, issue)
+        assert places is None, "places need the shared-memory transport (reduces_from_places)"
         if predivide != 1:
             full.div_(predivide)
         if _uses_ring(group, full):

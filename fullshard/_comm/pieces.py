@@ -17,16 +17,22 @@ rank 1 ``[7, 8] + [3, 4] = [10, 12]``.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
-__all__ = ["AllGather", "Op", "Receiver", "ReduceScatter", "Sink"]
+__all__ = ["AllGather", "Op", "Places", "Receiver", "ReduceScatter", "Sink"]
 
 Sink = Callable[[int, int, torch.Tensor], None]
 """Where an all-gather may deliver instead of its output: ``sink(rank, start, data)``
 receives elements ``[start, start + len(data))`` of ``rank``'s shard (its own included)."""
+
+
+Places = list[tuple[int, torch.Tensor]]
+"""A tensor given by where its parts lie, not as one: (start in the tensor, 1-D data of its
+dtype from there), in order and disjoint; the elements no place covers are zeros."""
 
 
 class Receiver(Protocol):
@@ -113,7 +119,12 @@ class AllGather(Op):
 
 class ReduceScatter(Op):
     """Rank q's cell holds, for every other rank d in order, a range of q's chunk d divided
-    by ``predivide``: the division rides on the copy instead of a pass of its own."""
+    by ``predivide``: the division rides on the copy instead of a pass of its own.
+
+    ``places``, where given, are ``full`` 's elements where they lie (a unit's gradients
+    where autograd left them, [Note: gradients reduced where autograd left them] in
+    dim0_unsharded.py): read there instead of out of ``full``, which then only gives sizes
+    and is never read. The same elements in the same order give the same bits."""
 
     def __init__(
         self,
@@ -123,6 +134,7 @@ class ReduceScatter(Op):
         rank: int,
         num_ranks: int,
         cell: int,
+        places: Places | None = None,
     ) -> None:
         per_peer = cell // full.element_size() // (num_ranks - 1)
         super().__init__("reduce_scatter", output.numel(), full.dtype, per_peer)
@@ -130,7 +142,29 @@ class ReduceScatter(Op):
         self.cells_per_rank = num_ranks - 1
         self.predivide, self.full_numel = predivide, full.numel()
         self.divisor = torch.tensor(predivide, dtype=full.dtype)  # addcdiv's, made once
-        self.chunks = full.chunk(num_ranks)  # (output numel,) each
+        self.places = places if places is not None else [(0, full.view(-1))]
+        self._starts = [start for start, _ in self.places]
+        self._zero = full.new_zeros(1)
+
+    def _runs(self, chunk: int, start: int, end: int) -> list[tuple[int, torch.Tensor]]:
+        """Elements ``[start, end)`` of chunk ``chunk`` of the full tensor, as (offset from
+        ``start``, data) runs back to back: the places' parts, and zeros between them."""
+        begin, stop = chunk * self.numel + start, chunk * self.numel + end
+        runs, at = [], begin
+        index = max(0, bisect.bisect_right(self._starts, begin) - 1)
+        for first, data in self.places[index:]:
+            if first >= stop:
+                break
+            lo, hi = max(first, at), min(first + data.numel(), stop)
+            if lo >= hi:
+                continue
+            if lo > at:
+                runs.append((at - begin, self._zero.expand(lo - at)))
+            runs.append((lo - begin, data[lo - first : hi - first]))
+            at = hi
+        if at < stop:
+            runs.append((at - begin, self._zero.expand(stop - at)))
+        return runs
 
     def _sub_cell(self, cell: torch.Tensor, index: int, length: int) -> torch.Tensor:
         # Placed by this piece's length (every rank knows it), so a piece smaller than a
@@ -147,25 +181,29 @@ class ReduceScatter(Op):
         start, end = self.bounds(piece)
         for dest in range(self.num_ranks):
             if dest != self.rank:
-                index = dest - (dest > self.rank)
-                self._divided(
-                    self.chunks[dest][start:end], self._sub_cell(cell, index, end - start)
-                )
+                sub_cell = self._sub_cell(cell, dest - (dest > self.rank), end - start)
+                for at, data in self._runs(dest, start, end):
+                    self._divided(data, sub_cell[at : at + data.numel()])
 
     def consume(self, piece: int, cells: list[torch.Tensor]) -> None:
+        start, end = self.bounds(piece)
+        terms = [
+            self._sub_cell(cell, self.rank - (self.rank > source), end - start)
+            for source, cell in enumerate(cells)
+            if source != self.rank
+        ]
+        output = self.output[start:end]
+        for at, own in self._runs(self.rank, start, end):
+            run = slice(at, at + own.numel())
+            self._sum(output[run], own, [term[run] for term in terms])
+
+    def _sum(self, out: torch.Tensor, own: torch.Tensor, terms: list[torch.Tensor]) -> None:
         # This rank's own term first, then the others' in rank order: a fixed order, and on
         # 2 ranks the same bits as any other reduce-scatter (a + b == b + a).
         # The own term and the first peer's in one pass where that gives the same bits:
         # own + peer, or peer + own / p in float32 or float64 (addcdiv rounds the quotient,
         # then the sum, as the two passes do; in a lower precision it would add the
         # unrounded quotient).
-        start, end = self.bounds(piece)
-        out, own = self.output[start:end], self.chunks[self.rank][start:end]
-        terms = [
-            self._sub_cell(cell, self.rank - (self.rank > source), end - start)
-            for source, cell in enumerate(cells)
-            if source != self.rank
-        ]
         if out.dtype != own.dtype:
             self._divided(own, out)
         elif self.predivide == 1:

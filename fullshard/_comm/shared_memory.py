@@ -76,7 +76,7 @@ import torch.distributed as dist
 
 from .. import _switches as switches
 from .constants import SHARED_MEMORY_SLOTS
-from .pieces import AllGather, Op, ReduceScatter, Sink
+from .pieces import AllGather, Op, Places, ReduceScatter, Sink
 
 __all__: list[str] = []
 
@@ -185,9 +185,16 @@ class Transport:
         return self._issue(op, label)
 
     def reduce_scatter(
-        self, output: torch.Tensor, full: torch.Tensor, predivide: float, label: str
+        self,
+        output: torch.Tensor,
+        full: torch.Tensor,
+        predivide: float,
+        label: str,
+        places: Places | None = None,
     ) -> Op:
-        op = ReduceScatter(output, full, predivide, self.rank, self.num_ranks, self.cell_bytes)
+        op = ReduceScatter(
+            output, full, predivide, self.rank, self.num_ranks, self.cell_bytes, places
+        )
         return self._issue(op, label)
 
     def _issue(self, op: Op, label: str) -> Op:

@@ -38,7 +38,9 @@ import torch
 import torch.distributed as dist
 
 from .._comm import collectives as comm
+from .._comm.pieces import Places
 from .layout import Dim0Layout, make_dim0_layout
+from .left_grads import LeftGrads
 from .storage_pool import POOL
 
 __all__: list[str] = []
@@ -73,8 +75,10 @@ def _one_block(
     return tensors
 
 
-class Dim0Unsharded:
-    """Per parameter of one segment, its unsharded tensor (storage freed while sharded)."""
+class Dim0Unsharded(LeftGrads):
+    """Per parameter of one segment, its unsharded tensor (storage freed while sharded); as
+    ``LeftGrads``, their gradients that backward may leave where autograd put them (see
+    [Note: gradients reduced where autograd left them] in left_grads.py)."""
 
     def __init__(
         self,
@@ -122,6 +126,8 @@ class Dim0Unsharded:
         delivery: only the transports read it (the shared-memory sink, the rings' places)."""
         self._places: dict[int, list[tuple[int, torch.Tensor]]] = {}
         """``places``, per rank, made at its first call."""
+        LeftGrads.__init__(self, layout.padded_numel)
+        self.able = self.sinkable
 
     def allocate(self) -> None:
         if self._storage is not None:  # see [Note: reusing unsharded memory]
@@ -207,6 +213,22 @@ class Dim0Unsharded:
                 for part, place in self.pairs(index, tensor, gathered):
                     part.copy_(place)
 
+    def grad_places(self, grads: tuple[torch.Tensor | None, ...]) -> Places:
+        """Where each element of the flat gradient of ``grads`` lies: each rank's rows of each
+        parameter's gradient, in the gathered buffer's layout."""
+        layout, places = self.layout, []
+        for index, grad in enumerate(grads):
+            if grad is None:
+                continue
+            rows = grad.reshape(-1)
+            for rank in range(layout.num_shards):
+                first, last = layout.rank_span(index, rank)
+                if first < last:
+                    at = layout.rank_row_start(index, rank)
+                    places.append((rank * layout.shard_numel + first, rows[at : at + last - first]))
+        places.sort(key=lambda place: place[0])
+        return places
+
     def copy_in(self, grads: tuple[torch.Tensor | None, ...], flat: torch.Tensor) -> None:
         """Write the parameters' gradients into ``flat`` (the unit's flat gradient, in the
         gathered buffer's layout); zeros where none arrived and in the padding."""
@@ -239,12 +261,12 @@ class Dim0Unsharded:
 class _Unflatten(torch.autograd.Function):
     """leaf (the flat unsharded buffer) -> the unit's parameters; backward writes their
     gradients into a flat gradient in the buffer's layout (zeros where a parameter got
-    none, and in the padding)."""
+    none, and in the padding), or returns it unwritten where the reduce-scatter reads them
+    where they are ([Note: gradients reduced where autograd left them] in left_grads.py)."""
 
     @staticmethod
     def forward(ctx: Any, leaf: torch.Tensor, unsharded: Dim0Unsharded) -> tuple[torch.Tensor, ...]:
-        ctx.unsharded = unsharded
-        ctx.leaf_numel, ctx.dtype, ctx.device = leaf.numel(), leaf.dtype, leaf.device
+        ctx.unsharded, ctx.leaf = unsharded, leaf
         ctx.set_materialize_grads(False)  # a parameter that got no gradient arrives as None
         overrides = unsharded.overrides
         return tuple(
@@ -255,9 +277,7 @@ class _Unflatten(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor, None]:
         unsharded: Dim0Unsharded = ctx.unsharded
-        # see [Note: reusing unsharded memory]; the reduction frees it into the pool again
-        flat = POOL.empty(ctx.leaf_numel, ctx.dtype, ctx.device)
-        unsharded.copy_in(grads, flat)
+        flat = unsharded.flat_grad(grads, ctx.leaf)
         received = [g is not None for g in grads]  # see [Note: parameters without a gradient]
         unsharded.grads_received = [a or b for a, b in zip(unsharded.grads_received, received)]
         return flat, None

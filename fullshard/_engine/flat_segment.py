@@ -39,6 +39,7 @@ from .._comm.groups import ShardingGroups
 from .compile import eager
 from .dim0_unsharded import Dim0Unsharded, PostForwardShard
 from .layout import Dim0Layout, FlatLayout, ShardPiece
+from .left_grads import FlatLeftGrads, LeftGrads
 from .names import FSDP_FLATTENED
 from .piece_views import PieceViews
 from .storage_pool import POOL
@@ -100,6 +101,9 @@ class Unsharded:
     aliases_shard: bool
     """NO_SHARD with no cast and no offload: the leaf is the shard, nothing is copied."""
     hook: RemovableHandle | None
+    left: LeftGrads
+    """The gradients backward may leave where autograd put them (see [Note: gradients
+    reduced where autograd left them] in left_grads.py)."""
     params: Dim0Unsharded | None = None
     """Dim-0 layouts (``fully_shard``): the parameters' own unsharded tensors, filled from
     ``padded``, which is freed once they are (see ``dim0_unsharded``)."""
@@ -116,28 +120,30 @@ class _SplitLeaf(torch.autograd.Function):
     """leaf (a flat layout's unsharded buffer, exactly its parameters) -> its parameters'
     pieces, views of it as ``torch.split`` gives; backward writes their gradients into one
     flat gradient drawn from the pool (see [Note: reusing unsharded memory]), where
-    ``split``'s backward concatenates them into fresh memory each time."""
+    ``split``'s backward concatenates them into fresh memory each time, or returns it
+    unwritten where the reduce-scatter reads them where they are ([Note: gradients reduced
+    where autograd left them] in left_grads.py)."""
 
     @staticmethod
-    def forward(ctx: Any, leaf: torch.Tensor, numels: list[int]) -> tuple[torch.Tensor, ...]:
-        ctx.numels = numels
+    def forward(
+        ctx: Any, leaf: torch.Tensor, left: LeftGrads, numels: list[int]
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.left, ctx.leaf, ctx.numels = left, leaf, numels
         ctx.set_materialize_grads(False)  # a parameter that got no gradient arrives as None
         return tuple(leaf.split(numels))
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor, None]:
-        given = next(g for g in grads if g is not None)  # autograd calls with at least one
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor, None, None]:
         if torch.is_grad_enabled():  # create_graph: a backward that is itself differentiable
-            return torch.cat(
-                [given.new_zeros(n) if g is None else g for g, n in zip(grads, ctx.numels)]
-            ), None
-        flat = POOL.empty(sum(ctx.numels), given.dtype, given.device)
-        for grad, place in zip(grads, flat.split(ctx.numels)):
-            if grad is None:
-                place.zero_()
-            else:
-                place.copy_(grad)
-        return flat, None
+            given = next(g for g in grads if g is not None)  # autograd calls with at least one
+            return (
+                torch.cat(
+                    [given.new_zeros(n) if g is None else g for g, n in zip(grads, ctx.numels)]
+                ),
+                None,
+                None,
+            )
+        return ctx.left.flat_grad(grads, ctx.leaf), None, None
 
 
 def _post_forward_shard(
@@ -303,7 +309,8 @@ class FlatSegment:
             params = Dim0Unsharded(
                 self.layout, dtype, self.device, self._shard_dims, shapes=self._unsharded_shapes
             )
-        unsharded = Unsharded(padded, leaf, aliases_shard, None, params)
+        left = params if params is not None else FlatLeftGrads(self.layout.numels)
+        unsharded = Unsharded(padded, leaf, aliases_shard, None, left, params)
         self._hook_leaf(unsharded)
         return unsharded
 
@@ -519,7 +526,7 @@ class FlatSegment:
             return self.active.params.views(leaf)
         if not (leaf.requires_grad and torch.is_grad_enabled()):
             return self.views_of_flat(leaf)
-        pieces = _SplitLeaf.apply(leaf, self.layout.numels)
+        pieces = _SplitLeaf.apply(leaf, self.active.left, self.layout.numels)
         return [piece.view(slot.shape) for piece, slot in zip(pieces, self.layout.slots)]
 
     def views_of_flat(self, flat: torch.Tensor) -> list[torch.Tensor]:

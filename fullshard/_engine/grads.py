@@ -17,6 +17,7 @@ from .._comm import custom
 from .._comm.groups import ShardingGroups, gradient_divide_factors
 from .dtensor_params import DTensorParams
 from .flat_segment import FlatParameter, FlatSegment
+from .left_grads import LeftGrads
 from .storage_pool import POOL
 
 __all__: list[str] = []
@@ -190,6 +191,8 @@ class GradReduction:
         ``reduce_dtype``, as torch's FSDP2 does (a sum of bf16 micro-batch gradients kept in
         bf16 loses their low bits). Otherwise it stays on the leaf, where autograd adds the
         next one."""
+        for unsharded in self._segments[0].buffers():
+            unsharded.left.materialize()  # autograd adds the next backward's to it
         if self._dtensor_params is None:
             return  # FSDP1's no_sync accumulates in the compute dtype, as torch's FSDP1
         for unsharded in self._segments[0].buffers():
@@ -209,6 +212,7 @@ class GradReduction:
             grad, unsharded.leaf.grad = unsharded.leaf.grad, None
             accumulated, unsharded.accumulated_grad = unsharded.accumulated_grad, None
             if accumulated is not None:
+                unsharded.left.materialize()
                 grad = accumulated if grad is None else accumulated.add_(grad)
             if grad is None:
                 continue
@@ -216,12 +220,21 @@ class GradReduction:
             if unsharded.params is not None:
                 received = unsharded.params.grads_received
                 unsharded.params.grads_received = [False] * len(received)
-            self._reduce_grad_of(grad, received)
+            self._reduce_grad_of(grad, received, unsharded.left)
 
-    def _reduce_grad_of(self, grad: torch.Tensor, received: list[bool] | None) -> None:
-        """Issue the reduction of ``grad``, an unsharded gradient (the leaf's, taken off it)."""
+    def _reduce_grad_of(
+        self, grad: torch.Tensor, received: list[bool] | None, left: LeftGrads | None = None
+    ) -> None:
+        """Issue the reduction of ``grad``, an unsharded gradient (the leaf's, taken off it);
+        ``left`` holds the gradients backward may have left where autograd put them instead
+        of writing them into ``grad`` (see [Note: gradients reduced where autograd left them]
+        in left_grads.py)."""
         if self._pending_reduction is not None:  # a second backward before the first finished
             self.finalize_grad()
+        places = None
+        if left is not None:
+            left.reads_places = self._reduces_from_places(grad, left)
+            places = left.take(grad, left.reads_places)
         if self.comm_hook is not None:
             self._pending_reduction = self._reduce_with_hook(grad, *self.comm_hook)
             return
@@ -241,9 +254,16 @@ class GradReduction:
             return
         layout = self._segments[0].layout
         padding = layout.padded_numel - grad.numel()  # the flat layout's leaf stops at numel
-        if padding:
+        if places is not None:  # ``grad`` is unwritten: sizes only, with the padding
+            grad = grad.new_empty(1).expand(layout.padded_numel)
+        elif padding:
             grad = torch.nn.functional.pad(grad, (0, padding))
-        if self.custom_reduce_scatter is not None:
+        if places is not None:
+            sharded = grad.new_empty(layout.shard_numel)
+            work = comm.reduce_scatter_into(
+                sharded, grad, self.groups.shard, self.label, predivide=predivide, places=places
+            )
+        elif self.custom_reduce_scatter is not None:
             custom_comm = self.custom_reduce_scatter
             full = custom_comm.allocate(grad.shape, dtype=grad.dtype, device=grad.device)
             full.copy_(grad)
@@ -266,7 +286,20 @@ class GradReduction:
             postdivide,
             computed_dtype,
             received,
-            recycle_input=self.custom_reduce_scatter is None,
+            recycle_input=self.custom_reduce_scatter is None and places is None,
+        )
+
+    def _reduces_from_places(self, grad: torch.Tensor, left: LeftGrads) -> bool:
+        """Whether this unit's reduce-scatter of ``grad`` can read the parameters' gradients
+        where autograd left them: over the shared-memory transport, uncast, undivided by
+        a hook of the user's, in a layout that allows it."""
+        return (
+            self.comm_hook is None
+            and self.custom_reduce_scatter is None
+            and self.uses_sharded_strategy
+            and left.able
+            and grad.dtype == self._reduce_dtype
+            and comm.reduces_from_places(self.groups.shard, grad)
         )
 
     def _reduce_with_hook(
@@ -322,6 +355,7 @@ class GradReduction:
         for unsharded in self._segments[0].buffers():
             unsharded.leaf.grad = None
             unsharded.accumulated_grad = None
+            unsharded.left.drop()
 
     def finalize_grad(self) -> None:
         """Wait for the reduction and accumulate it into the sharded gradient.

@@ -1,0 +1,137 @@
+"""A unit's parameters' gradients, left where autograd put them for the reduce-scatter to
+read, instead of copied into the unit's flat gradient in backward.
+
+[Note: gradients reduced where autograd left them]
+The backward of the node that made a unit's parameters from its leaf (``_SplitLeaf`` for the
+flat layout, ``_Unflatten`` for ``fully_shard``'s dim-0 layout) writes every parameter's
+gradient into one flat gradient, only for the reduce-scatter to read it back out. Over the
+shared-memory transport, which copies its input into the cells anyway, that pass is not
+needed: the node returns the flat gradient unwritten (autograd needs a gradient of the
+leaf's size; fresh memory, whose pages are never touched), keeps the parameters' gradients
+(``LeftGrads.flat_grad``), and the reduce-scatter reads them where they lie
+(``LeftGrads.take``, ``collectives.reduce_scatter_into(places=...)``), zeros where none
+arrived. Same elements, same order of summation: the same bits. The flat gradient is left
+unwritten only while nothing but that reduce-scatter reads it:
+
+- only where the unit's last reduction could read places (``reads_places``: the
+  shared-memory transport, a sharded strategy, no hook of the user's, no cast), and the leaf
+  has no gradient yet (autograd would add the unwritten one to it at once);
+- a second backward into the same leaf before a reduction took the first (a unit run twice
+  in one forward, accumulation without reduction) writes the first (``materialize``)
+  through its storage, which is the same memory wherever autograd keeps it now (the leaf's
+  ``.grad``, or its sum of the two), and writes its own;
+- every other reader of the leaf's gradient writes it first (accumulation without
+  reduction, a reduction that cannot read places, a leaf gradient that is not the one
+  returned); a dropped step drops the kept gradients with the leaf's.
+
+Saved, on the comm config's 2 ranks: one pass over each unit's gradient per backward, and,
+since the kept gradients are freed as the reduce-scatter finishes instead of a flat copy of
+them, about one unit's gradient of peak memory (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._comm.pieces import Places
+from .storage_pool import POOL
+
+__all__: list[str] = []
+
+Grads = tuple[torch.Tensor | None, ...]
+
+
+class LeftGrads:
+    """One leaf's gradients left where autograd put them (see the note); a layout's
+    subclass says how they are written into the flat gradient (``copy_in``: ``numel``
+    elements, zeros where none arrived) and where each of its elements lies instead
+    (``grad_places``; the elements past ``numel``, the padding to a multiple of the ranks,
+    are zeros). A subclass, not callbacks: ``Dim0Unsharded`` is one, and a callback of its
+    own held here would make a reference cycle the collector alone frees."""
+
+    def __init__(self, numel: int) -> None:
+        self.numel = numel
+        self.able = True
+        """Whether the layout lets a reduce-scatter read places (not: ``fully_shard``
+        parameters sharded on another dim than 0)."""
+        self.reads_places = False
+        """Whether backward may leave the gradients: the unit's last reduction could read
+        them where they lie (set by it)."""
+        self._left: tuple[Grads, torch.UntypedStorage] | None = None
+        """The gradients left, and the storage of the flat gradient returned unwritten."""
+        self._flat_in_flight = False
+        """A backward returned a flat gradient for the leaf that no reduction took yet."""
+
+    def copy_in(self, grads: Grads, flat: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def grad_places(self, grads: Grads) -> Places:
+        raise NotImplementedError
+
+    def flat_grad(self, grads: Grads, leaf: torch.Tensor) -> torch.Tensor:
+        """Backward's: ``leaf`` 's gradient, ``grads`` written into it, or left."""
+        in_flight, self._flat_in_flight = self._flat_in_flight, True
+        self.materialize()  # an earlier backward's: autograd adds this one to it
+        if (
+            self.reads_places
+            and not in_flight  # another backward's flat gradient, which autograd adds to
+            and leaf.grad is None  # else autograd adds this one to it at once
+            and not torch.is_grad_enabled()
+            and all(g is None or g.dtype == leaf.dtype for g in grads)
+        ):
+            flat = torch.empty(leaf.numel(), dtype=leaf.dtype, device=leaf.device)
+            self._left = (grads, flat.untyped_storage())
+            return flat
+        # see [Note: reusing unsharded memory]; the reduction frees it into the pool again
+        flat = POOL.empty(leaf.numel(), leaf.dtype, leaf.device)
+        self.copy_in(grads, flat)
+        return flat
+
+    def materialize(self) -> None:
+        """Write the gradients left into the flat gradient returned for them."""
+        left, self._left = self._left, None
+        if left is not None:
+            grads, storage = left
+            given = next(g for g in grads if g is not None)
+            assert storage.nbytes() >= self.numel * given.element_size(), "a recycled gradient"
+            flat = torch.empty(0, dtype=given.dtype, device=given.device)
+            with torch.no_grad():
+                self.copy_in(grads, flat.set_(storage, 0, (self.numel,), (1,)))
+
+    def take(self, flat: torch.Tensor, reads_places: bool) -> Places | None:
+        """The leaf's gradient ``flat`` is taken for its reduction: where its elements lie
+        if they were left and ``reads_places``, else None, with ``flat`` written."""
+        self._flat_in_flight = False
+        left = self._left
+        if (
+            not reads_places
+            or left is None
+            or flat.untyped_storage().data_ptr() != left[1].data_ptr()
+        ):
+            self.materialize()
+            return None
+        self._left = None
+        return self.grad_places(left[0])
+
+    def drop(self) -> None:
+        """The leaf's gradient is dropped (a failed step): so are the ones left for it."""
+        self._left, self._flat_in_flight = None, False
+
+
+class FlatLeftGrads(LeftGrads):
+    """A flat layout's (``FullyShardedDataParallel``'s): its parameters back to back."""
+
+    def __init__(self, numels: list[int]) -> None:
+        super().__init__(sum(numels))
+        self._numels = numels
+        self._offsets = [sum(numels[:index]) for index in range(len(numels))]
+
+    def copy_in(self, grads: Grads, flat: torch.Tensor) -> None:
+        for grad, place in zip(grads, flat.split(self._numels)):
+            if grad is None:
+                place.zero_()
+            else:
+                place.copy_(grad)
+
+    def grad_places(self, grads: Grads) -> Places:
+        return [(at, grad) for at, grad in zip(self._offsets, grads) if grad is not None]
