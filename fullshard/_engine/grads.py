@@ -15,6 +15,7 @@ from torch import nn
 from .._comm import collectives as comm
 from .._comm import custom
 from .._comm.groups import ShardingGroups, gradient_divide_factors
+from .._comm.pieces import Places
 from .dtensor_params import DTensorParams
 from .flat_segment import FlatParameter, FlatSegment
 from .left_grads import LeftGrads
@@ -212,7 +213,8 @@ class GradReduction:
             grad, unsharded.leaf.grad = unsharded.leaf.grad, None
             accumulated, unsharded.accumulated_grad = unsharded.accumulated_grad, None
             if accumulated is not None:
-                unsharded.left.materialize()
+                if grad is not None:
+                    unsharded.left.take(grad, reads_places=False)  # written: added below
                 grad = accumulated if grad is None else accumulated.add_(grad)
             if grad is None:
                 continue
@@ -252,33 +254,7 @@ class GradReduction:
                 work, grad, grad, postdivide, computed_dtype
             )
             return
-        layout = self._segments[0].layout
-        padding = layout.padded_numel - grad.numel()  # the flat layout's leaf stops at numel
-        if places is not None:  # ``grad`` is unwritten: sizes only, with the padding
-            grad = grad.new_empty(1).expand(layout.padded_numel)
-        elif padding:
-            grad = torch.nn.functional.pad(grad, (0, padding))
-        if places is not None:
-            sharded = grad.new_empty(layout.shard_numel)
-            work = comm.reduce_scatter_into(
-                sharded, grad, self.groups.shard, self.label, predivide=predivide, places=places
-            )
-        elif self.custom_reduce_scatter is not None:
-            custom_comm = self.custom_reduce_scatter
-            full = custom_comm.allocate(grad.shape, dtype=grad.dtype, device=grad.device)
-            full.copy_(grad)
-            sharded = custom_comm.allocate(
-                (layout.shard_numel,), dtype=grad.dtype, device=grad.device
-            )
-            work = custom.reduce_scatter(
-                custom_comm, sharded, full, self.groups.shard, self.label, predivide
-            )
-            grad = full
-        else:
-            sharded = grad.new_empty(layout.shard_numel)
-            work = comm.reduce_scatter_into(
-                sharded, grad, self.groups.shard, self.label, predivide=predivide
-            )
+        work, sharded, grad = self._reduce_scatter(grad, places, predivide)
         self._pending_reduction = _PendingReduction(
             work,
             sharded,
@@ -288,6 +264,40 @@ class GradReduction:
             received,
             recycle_input=self.custom_reduce_scatter is None and places is None,
         )
+
+    def _reduce_scatter(
+        self, grad: torch.Tensor, places: Places | None, predivide: float
+    ) -> tuple[comm.Pending, torch.Tensor, torch.Tensor]:
+        """Issue the reduce-scatter of the flat gradient ``grad`` (or of ``places``, where
+        its elements lie: ``grad`` is unwritten); returns it, the sharded gradient it
+        writes, and its input, which must outlive it."""
+        layout = self._segments[0].layout
+        padding = layout.padded_numel - grad.numel()  # the flat layout's leaf stops at numel
+        if places is not None:  # sizes only, with the padding
+            full = grad.new_empty(1).expand(layout.padded_numel)
+            sharded = grad.new_empty(layout.shard_numel)
+            work = comm.reduce_scatter_into(
+                sharded, full, self.groups.shard, self.label, predivide=predivide, places=places
+            )
+            return work, sharded, full
+        if padding:
+            grad = torch.nn.functional.pad(grad, (0, padding))
+        if self.custom_reduce_scatter is not None:
+            custom_comm = self.custom_reduce_scatter
+            full = custom_comm.allocate(grad.shape, dtype=grad.dtype, device=grad.device)
+            full.copy_(grad)
+            sharded = custom_comm.allocate(
+                (layout.shard_numel,), dtype=grad.dtype, device=grad.device
+            )
+            work = custom.reduce_scatter(
+                custom_comm, sharded, full, self.groups.shard, self.label, predivide
+            )
+            return work, sharded, full
+        sharded = grad.new_empty(layout.shard_numel)
+        work = comm.reduce_scatter_into(
+            sharded, grad, self.groups.shard, self.label, predivide=predivide
+        )
+        return work, sharded, grad
 
     def _reduces_from_places(self, grad: torch.Tensor, left: LeftGrads) -> bool:
         """Whether this unit's reduce-scatter of ``grad`` can read the parameters' gradients

@@ -57,8 +57,9 @@ class LeftGrads:
         self.reads_places = False
         """Whether backward may leave the gradients: the unit's last reduction could read
         them where they lie (set by it)."""
-        self._left: tuple[Grads, torch.UntypedStorage] | None = None
-        """The gradients left, and the storage of the flat gradient returned unwritten."""
+        self._left: tuple[Grads, torch.UntypedStorage, torch.Tensor] | None = None
+        """The gradients left, the storage of the flat gradient returned unwritten, and the
+        leaf it was returned for."""
         self._flat_in_flight = False
         """A backward returned a flat gradient for the leaf that no reduction took yet."""
 
@@ -77,10 +78,12 @@ class LeftGrads:
             and not in_flight  # another backward's flat gradient, which autograd adds to
             and leaf.grad is None  # else autograd adds this one to it at once
             and not torch.is_grad_enabled()
-            and all(g is None or g.dtype == leaf.dtype for g in grads)
+            and all(
+                g is None or (g.dtype == leaf.dtype and g.layout == torch.strided) for g in grads
+            )
         ):
             flat = torch.empty(leaf.numel(), dtype=leaf.dtype, device=leaf.device)
-            self._left = (grads, flat.untyped_storage())
+            self._left = (grads, flat.untyped_storage(), leaf)
             return flat
         # see [Note: reusing unsharded memory]; the reduction frees it into the pool again
         flat = POOL.empty(leaf.numel(), leaf.dtype, leaf.device)
@@ -88,30 +91,37 @@ class LeftGrads:
         return flat
 
     def materialize(self) -> None:
-        """Write the gradients left into the flat gradient returned for them."""
+        """Write the gradients left into the flat gradient returned for them, wherever it is
+        now: in autograd's sum of two backwards' (its storage is the same memory), on the
+        leaf, or a copy of it on the leaf (autograd copies a gradient it cannot keep; the leaf
+        had none, so the copy holds nothing else)."""
         left, self._left = self._left, None
-        if left is not None:
-            grads, storage = left
-            given = next(g for g in grads if g is not None)
-            assert storage.nbytes() >= self.numel * given.element_size(), "a recycled gradient"
-            flat = torch.empty(0, dtype=given.dtype, device=given.device)
-            with torch.no_grad():
-                self.copy_in(grads, flat.set_(storage, 0, (self.numel,), (1,)))
+        if left is None:
+            return
+        grads, storage, leaf = left
+        current = leaf.grad
+        if current is not None and current.untyped_storage().data_ptr() != storage.data_ptr():
+            target = current  # the copy
+        else:
+            assert storage.nbytes() >= self.numel * leaf.element_size(), "a recycled gradient"
+            target = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
+            target.set_(storage, 0, (self.numel,), (1,))
+        with torch.no_grad():
+            self.copy_in(grads, target)
 
     def take(self, flat: torch.Tensor, reads_places: bool) -> Places | None:
-        """The leaf's gradient ``flat`` is taken for its reduction: where its elements lie
-        if they were left and ``reads_places``, else None, with ``flat`` written."""
+        """The leaf's gradient ``flat`` is taken off it for its reduction: where its elements
+        lie if they were left and ``reads_places``, else None, with ``flat`` written (the
+        flat gradient returned, or autograd's copy of it)."""
         self._flat_in_flight = False
-        left = self._left
-        if (
-            not reads_places
-            or left is None
-            or flat.untyped_storage().data_ptr() != left[1].data_ptr()
-        ):
-            self.materialize()
+        left, self._left = self._left, None
+        if left is None:
             return None
-        self._left = None
-        return self.grad_places(left[0])
+        if reads_places and flat.untyped_storage().data_ptr() == left[1].data_ptr():
+            return self.grad_places(left[0])
+        with torch.no_grad():
+            self.copy_in(left[0], flat)
+        return None
 
     def drop(self) -> None:
         """The leaf's gradient is dropped (a failed step): so are the ones left for it."""

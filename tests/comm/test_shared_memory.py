@@ -46,10 +46,11 @@ def _random_schedule(seed: int, num_ops: int, in_flight: int) -> None:
             shard = torch.randn(numel, generator=data).to(dtype)
             expected = torch.empty(numel * num_ranks, dtype=dtype)
             dist.all_gather_into_tensor(expected, shard)
-            ops.append(("all_gather", shard, expected, 1.0))
+            ops.append(("all_gather", shard, expected, 1.0, None))
         else:
             predivide = schedule.choice([1.0, float(num_ranks), 3.0])
             full = torch.randn(numel * num_ranks, generator=data).to(dtype)
+            places = _places(full, schedule) if schedule.random() < 0.5 else None
             # The transport's sum: this rank's term first, then the others in rank order.
             divided = [torch.empty_like(full) for _ in range(num_ranks)]
             dist.all_gather(divided, full / predivide)
@@ -58,7 +59,7 @@ def _random_schedule(seed: int, num_ops: int, in_flight: int) -> None:
             for source in range(num_ranks):
                 if source != rank:
                     expected.add_(chunks[source])
-            ops.append(("reduce_scatter", full, expected, predivide))
+            ops.append(("reduce_scatter", full, expected, predivide, places))
     outstanding: list[tuple[comm.Pending, torch.Tensor, torch.Tensor]] = []
 
     def finish(index: int) -> None:
@@ -66,10 +67,15 @@ def _random_schedule(seed: int, num_ops: int, in_flight: int) -> None:
         pending.wait()
         torch.testing.assert_close(result, expected, rtol=0, atol=0)
 
-    for kind, source, expected, predivide in ops:
+    for kind, source, expected, predivide, places in ops:
         result = torch.full_like(expected, float("nan"))
         if kind == "all_gather":
             pending = comm.all_gather_into(result, source, group, "test")
+        elif places is not None:  # ``source`` gives sizes only: NaN if it were read
+            sizes = torch.full_like(source, float("nan"))
+            pending = comm.reduce_scatter_into(
+                result, sizes, group, "t", predivide=predivide, places=places
+            )
         else:
             pending = comm.reduce_scatter_into(result, source, group, "t", predivide=predivide)
         outstanding.append((pending, result, expected))
@@ -80,11 +86,27 @@ def _random_schedule(seed: int, num_ops: int, in_flight: int) -> None:
     assert _uses_transport(group)
 
 
+def _places(full: torch.Tensor, schedule: random.Random) -> list[tuple[int, torch.Tensor]]:
+    """``full`` as a reduce-scatter's places: cut at random points (across the ranks'
+    chunks and the cells' pieces), some runs left out and zeroed in ``full`` (the zeros
+    that no place covers stand for), the others copies of ``full`` 's elements."""
+    total = full.numel()
+    cuts = sorted(schedule.sample(range(1, total), min(6, total - 1))) if total > 1 else []
+    places = []
+    for start, end in zip([0, *cuts], [*cuts, total]):
+        if schedule.random() < 0.3:
+            full[start:end] = 0
+        else:
+            places.append((start, full[start:end].clone()))
+    return places
+
+
 @pytest.mark.parametrize("num_ranks", [2, 3, 4])
 @pytest.mark.parametrize("in_flight", [1, 3, 9])
 def test_random_collectives_equal_gloo(num_ranks: int, in_flight: int) -> None:
     """Pieces larger than a cell (1024 fp32), zero-size ops, up to 9 collectives outstanding
-    over 4 slots (issue cannot post them all: `wait` does), waited in random order."""
+    over 4 slots (issue cannot post them all: `wait` does), waited in random order; half
+    the reduce-scatters read places, with gaps, instead of their input."""
     run_on_ranks(num_ranks, _random_schedule, num_ranks, 40, in_flight, env=TINY_CELLS)
 
 
@@ -183,7 +205,7 @@ def _leaves_no_file() -> list[str]:
     output = torch.empty(2)
     comm.all_gather_into(output, torch.ones(1), group, "t").wait()
     assert _uses_transport(group)
-    return sorted(name for name in os.listdir("/dev/shm") if name.startswith("fullshard-"))
+    return sorted(name for name in os.listdir("/dev/shm") if name.startswith(shm.FILE_PREFIX))
 
 
 def test_the_file_is_unlinked_once_every_rank_has_it() -> None:

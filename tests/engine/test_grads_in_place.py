@@ -72,13 +72,22 @@ def _train(door: str, places: bool, case: str, steps: int) -> dict[str, Any]:
         read[0] += found is not None
         return found
 
+    flat_grad, held = LeftGrads.flat_grad, []
+
+    def held_elsewhere(self: Any, grads: Any, leaf: torch.Tensor) -> torch.Tensor:
+        flat = flat_grad(self, grads, leaf)
+        held.append(flat)  # autograd copies a gradient referenced elsewhere
+        return flat
+
     GradReduction._reduces_from_places = able  # type: ignore[method-assign]
     LeftGrads.take = counted  # type: ignore[method-assign]
+    if case == "copied by autograd":
+        LeftGrads.flat_grad = held_elsewhere  # type: ignore[method-assign]
     try:
         return {"grads": _steps(door, case, steps), "read": read[0]}
     finally:
         GradReduction._reduces_from_places = reduces_from_places  # type: ignore[method-assign]
-        LeftGrads.take = take  # type: ignore[method-assign]
+        LeftGrads.take, LeftGrads.flat_grad = take, flat_grad  # type: ignore[method-assign]
 
 
 def _wrap(door: str, case: str) -> nn.Module:
@@ -155,12 +164,20 @@ def _compare(door: str, case: str) -> int:
     return int(direct["read"])
 
 
-READS = {"plain": 6, "used twice": 4, "retained": 15, "accumulated": 0, "recomputed": 6}
+READS = {
+    "plain": 6,
+    "used twice": 4,
+    "retained": 15,
+    "accumulated": 0,
+    "recomputed": 6,
+    "copied by autograd": 0,
+}
 """Per case, the reductions over 3 steps that read the gradients where autograd left them:
 one per unit (3) and backward, from the first backward after a reduction found out that it
 can (so, with 2 backwards a step, from the first step's second). A leaf that two forwards
 fed (the first block's, "used twice"), or that holds a gradient already (accumulated
-micro-batches), gets the flat copy."""
+micro-batches), gets the flat copy; so does one whose unwritten flat gradient autograd
+copied onto the leaf instead of keeping it (it does where another reference holds it)."""
 
 
 DOORS = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fullshard._engine.storage_pool import BLOCKS_PER_SIZE, StoragePool
@@ -62,6 +63,7 @@ def test_flat_layout_gradient_is_written_into_kept_memory() -> None:
     gradient in memory the pool kept: the values ``torch.split``'s backward gives, zeros for
     a piece that got no gradient."""
     from fullshard._engine.flat_segment import _SplitLeaf
+    from fullshard._engine.left_grads import FlatLeftGrads
     from fullshard._engine.storage_pool import POOL
 
     POOL.clear()
@@ -69,7 +71,7 @@ def test_flat_layout_gradient_is_written_into_kept_memory() -> None:
     freed = torch.empty(7)
     address = freed.data_ptr()
     POOL.free(freed.untyped_storage())
-    a, b, c = _SplitLeaf.apply(leaf, [3, 2, 2])
+    a, b, c = _SplitLeaf.apply(leaf, FlatLeftGrads([3, 2, 2]), [3, 2, 2])
     assert a._base is leaf and torch.equal(b, leaf[3:5])  # views, as split gives
     (a.sum() + 2 * c.sum()).backward()
     assert leaf.grad is not None and leaf.grad.data_ptr() == address
@@ -81,10 +83,42 @@ def test_flat_layout_gradient_stays_differentiable_with_create_graph() -> None:
     """With ``create_graph=True`` the gradient through ``_SplitLeaf`` is itself differentiable
     (a second derivative, as through ``torch.split``)."""
     from fullshard._engine.flat_segment import _SplitLeaf
+    from fullshard._engine.left_grads import FlatLeftGrads
 
     leaf = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
-    a, b = _SplitLeaf.apply(leaf, [1, 2])
+    a, b = _SplitLeaf.apply(leaf, FlatLeftGrads([1, 2]), [1, 2])
     (grad,) = torch.autograd.grad((a**3).sum() + (b**2).sum(), leaf, create_graph=True)
     torch.testing.assert_close(grad, torch.tensor([3.0, 4.0, 6.0]))
     (second,) = torch.autograd.grad(grad.sum(), leaf)
     torch.testing.assert_close(second, torch.tensor([6.0, 2.0, 2.0]))
+
+
+@pytest.mark.parametrize("reads_places", [True, False])
+def test_a_gradient_left_where_autograd_put_it_is_read_there_or_written(
+    reads_places: bool,
+) -> None:
+    """Where the reduction can read places, backward returns the flat gradient unwritten
+    (fresh memory, not the pool's) and ``take`` gives where each piece's gradient lies;
+    where it cannot, ``take`` writes them into the flat gradient (zeros where none came)."""
+    from fullshard._engine.flat_segment import _SplitLeaf
+    from fullshard._engine.left_grads import FlatLeftGrads
+    from fullshard._engine.storage_pool import POOL
+
+    POOL.clear()
+    left = FlatLeftGrads([3, 2, 2])
+    left.reads_places = True
+    leaf = torch.zeros(7, requires_grad=True)
+    a, _, c = _SplitLeaf.apply(leaf, left, [3, 2, 2])
+    (a.sum() + 2 * c.sum()).backward()
+    assert leaf.grad is not None
+    places = left.take(leaf.grad, reads_places)
+    if reads_places:
+        assert places is not None
+        assert [(start, data.tolist()) for start, data in places] == [
+            (0, [1.0, 1.0, 1.0]),
+            (5, [2.0, 2.0]),
+        ]
+    else:
+        assert places is None
+        torch.testing.assert_close(leaf.grad, torch.tensor([1.0, 1, 1, 0, 0, 2, 2]))
+    assert left.take(leaf.grad, reads_places) is None  # taken once
