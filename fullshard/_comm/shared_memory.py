@@ -91,6 +91,8 @@ _CHECK_S = 0.002
 _TOKEN_BYTES = 16
 _PAGE = 4096
 _SHM_DIR = "/dev/shm"
+FILE_PREFIX = "fullshard-"
+"""A transport's file in ``_SHM_DIR``: ``FILE_PREFIX``, its creator's pid, a random part."""
 BYTES_WRITTEN = 0
 """Bytes this process has written into transports' files: what it sent to its peers."""
 _ORDERED_STORES = platform.machine() in ("x86_64", "AMD64")
@@ -443,7 +445,7 @@ def _set_up(group: dist.ProcessGroup, named: Guard) -> Transport | None:
     path = None
     try:
         if rank == 0:
-            path = os.path.join(_SHM_DIR, f"fullshard-{os.getpid()}-{secrets.token_hex(8)}")
+            path = os.path.join(_SHM_DIR, f"{FILE_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
             fd = _create(path, size, num_ranks, cell_bytes)
             if fd < 0:
                 path = None

@@ -133,19 +133,20 @@ def _param_groups(
 
 def _optimizer_params(
     params: dict[int, _OptimParam], groups: list[list[nn.Parameter]], where: str
-) -> list[_OptimParam]:
-    """The optimizer's parameters in id order (torch numbers them across groups)."""
+) -> tuple[list[_OptimParam], ValueError | None]:
+    """The optimizer's parameters in id order (torch numbers them across groups), or what is
+    wrong with them (returned: the collective callers raise it on every rank)."""
     ordered = []
     for group_index, group in enumerate(groups):
         for param in group:
             if id(param) not in params:
-                raise ValueError(
+                return [], ValueError(
                     f"{where}: param group {group_index} of the optimizer holds a parameter of "
                     f"shape {tuple(param.shape)} that is not in the model. Build the optimizer "
                     "over the FSDP-wrapped model's parameters, after wrapping"
                 )
             ordered.append(params[id(param)])
-    return ordered
+    return ordered, None
 
 
 # -- producing ---------------------------------------------------------------------------------
@@ -411,11 +412,8 @@ def produce(
     _check_idle(units, "optim_state_dict()")
     params, unit_fqns = _model_params(model, units)
     groups = [list(group["params"]) for group in optim.param_groups]
-    problem: ValueError | None = None
-    try:
-        ordered = _optimizer_params(params, groups, "optim_state_dict()")
-    except ValueError as error:  # raised on every rank once the ranks have exchanged it
-        ordered, problem = [], error
+    # A problem is raised on every rank once the ranks have exchanged it.
+    ordered, problem = _optimizer_params(params, groups, "optim_state_dict()")
     states = _local_states(optim, ordered, source) if problem is None else {}
     metadata, rank0_order = _exchange_metadata(ordered, states, group, problem)
     keep = not (full and rank0_only and dist.is_initialized() and dist.get_rank(group) != 0)

@@ -138,12 +138,8 @@ def load(
     check_fsdp1_units(units, where)
     _check_idle(units, where)
     params, _ = _model_params(model, units)
-    problem: ValueError | None = None
-    try:
-        ordered = _optimizer_params(params, groups, where)
-    except ValueError as error:  # this rank's optimizer: raised on every rank, agreed
-        ordered, problem = [], error
-    _raise_on_every_rank(problem, group)
+    ordered, problem = _optimizer_params(params, groups, where)
+    _raise_on_every_rank(problem, group)  # this rank's optimizer: raised on every rank
     if rank0_only:
         skeleton = _broadcast_skeleton(osd, group)
     elif osd is None or "state" not in osd:
@@ -369,7 +365,9 @@ def rekey(
     if (wanted_names and all(by_name)) or (not wanted_names and all(by_id)):
         return osd
     params, _ = _model_params(model, units_in(model))
-    ordered = _optimizer_params(params, groups, "rekey_optim_state_dict()")
+    ordered, problem = _optimizer_params(params, groups, "rekey_optim_state_dict()")
+    if problem is not None:
+        raise problem
     if wanted_names:
         for op in ordered:
             if op.is_flat:

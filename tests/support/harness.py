@@ -110,7 +110,8 @@ SHM_RECYCLE_BYTES = _shm_budget()
 """A pool whose workers map more of fullshard's shared-memory files than this (the
 transports of process groups that tests made and never destroyed, e.g. their device meshes'
 groups) is restarted before its next call, which frees them: the kept pools together stay
-within half of /dev/shm."""
+at about half of /dev/shm (``KEPT_POOLS`` at an eighth each, plus what one call adds before
+the next check)."""
 
 
 class RankError(RuntimeError):
@@ -671,19 +672,25 @@ def _get_pool(world_size: int) -> _Pool:
             raise
     _POOLS[world_size] = pool  # now the most recently used
     while len(_POOLS) > KEPT_POOLS:
-        _POOLS.pop(next(iter(_POOLS))).close()
+        _stop_least_recently_used()
     return pool
+
+
+def _stop_least_recently_used() -> None:
+    _POOLS.pop(next(iter(_POOLS))).close()
 
 
 def _mapped_shm_bytes(pid: int | None) -> int:
     """Bytes of fullshard's shared-memory transport files that process ``pid`` maps (0
     where /proc cannot tell)."""
-    total = 0
+    from fullshard._comm import shared_memory as shm
+
+    prefix, total = os.path.join(shm._SHM_DIR, shm.FILE_PREFIX), 0
     try:
         with open(f"/proc/{pid}/maps", encoding="utf-8") as maps:
             for line in maps:
                 fields = line.split(maxsplit=5)  # address perms offset dev inode path
-                if len(fields) == 6 and fields[5].startswith("/dev/shm/fullshard-"):
+                if len(fields) == 6 and fields[5].startswith(prefix):
                     start, end = fields[0].split("-")
                     total += int(end, 16) - int(start, 16)
     except OSError:
@@ -700,7 +707,7 @@ def _forget_pool(pool: _Pool) -> None:
 def shutdown_pool() -> None:
     """Stop every live pool (at exit, at session end)."""
     while _POOLS:
-        _POOLS.pop(next(iter(_POOLS))).close()
+        _stop_least_recently_used()
 
 
 def pool_pids() -> list[int | None]:
