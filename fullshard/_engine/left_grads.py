@@ -24,9 +24,10 @@ unwritten only while nothing but that reduce-scatter reads it:
   reduction, a reduction that cannot read places, a leaf gradient that is not the one
   returned); a dropped step drops the kept gradients with the leaf's.
 
-Saved, on the comm config's 2 ranks: one pass over each unit's gradient per backward, and,
-since the kept gradients are freed as the reduce-scatter finishes instead of a flat copy of
-them, about one unit's gradient of peak memory (docs/benchmarks.md).
+Saved: one pass over each unit's gradient per backward (on the comm config's 2 ranks, the
+copy took 65-69 ms of a 1.2-1.5 s step; measured in alternated steps, the step is 1-4%
+shorter, about the spread of such runs; docs/benchmarks.md). The parameters' gradients now
+live until the reduce-scatter ends, instead of a flat copy of them.
 """
 
 from __future__ import annotations
