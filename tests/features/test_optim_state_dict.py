@@ -529,6 +529,26 @@ def test_an_optimizer_wrong_on_one_rank_raises_on_every_rank() -> None:
         assert re.match(r"rank 1: optim_state_dict\(\): param group \d+ .* shape \(3,\)", message)
 
 
+def _unshardable_state_on_one_rank() -> str:
+    model = _wrap(ShardingStrategy.FULL_SHARD, use_orig_params=True)
+    optim = _optimizer("adam", list(model.parameters()))
+    _step(model, optim, dist.get_rank(), 0)
+    if dist.get_rank() == 1:
+        held = next(p for p in model.parameters() if p.numel() > 1)
+        optim.state[held]["exp_avg"] = torch.zeros(held.numel() + 1)
+    with pytest.raises(ValueError, match="can only unshard states shaped like") as raised:
+        FSDP.optim_state_dict(model, optim)
+    return str(raised.value)
+
+
+def test_a_state_unshardable_on_one_rank_raises_on_every_rank() -> None:
+    """Only rank 1's optimizer holds a state not shaped like its parameter: every rank
+    raises it, naming the rank (rank 0 would otherwise wait in the metadata exchange)."""
+    messages = run_on_ranks(2, _unshardable_state_on_one_rank)
+    assert messages[0] == messages[1]
+    assert re.match(r"rank 1: optimizer state 'exp_avg' of .* has shape \(\d+,\)", messages[0])
+
+
 def _steps_of_parameters_held_elsewhere() -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
