@@ -66,9 +66,9 @@ Three kinds, each allocated by code the model can name:
   backward runs, as it did for ``torch.split``'s concatenation). Over the CPU's
   shared-memory transport the reduce-scatter reads the gradients where they lie instead
   ([Note: gradients reduced where autograd left them] in ``_engine/left_grads.py``): the
-  flat gradient's pages are never touched, and the parameters' gradients live until the
-  reduce-scatter ends instead; the term is kept (the measured peaks did not move beyond
-  their run-to-run spread; docs/benchmarks.md).
+  flat gradient is fresh memory that is never written, and the parameters' gradients live
+  until the reduce-scatter ends instead; the term is kept (the measured peaks did not move
+  beyond their run-to-run spread; docs/benchmarks.md).
 - mixed precision (``compute_bytes != param_bytes``): the all-gather's input is the shard
   cast to the compute dtype (``FlatSegment.unshard``), alive until the all-gather lands, for
   the unit being gathered and the one prefetched (two of the largest unit's shard, compute

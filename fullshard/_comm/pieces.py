@@ -123,7 +123,7 @@ class ReduceScatter(Op):
 
     ``places``, where given, are ``full`` 's elements where they lie (a unit's gradients
     where autograd left them, [Note: gradients reduced where autograd left them] in
-    dim0_unsharded.py): read there instead of out of ``full``, which then only gives sizes
+    left_grads.py): read there instead of out of ``full``, which then only gives sizes
     and is never read. The same elements in the same order give the same bits."""
 
     def __init__(

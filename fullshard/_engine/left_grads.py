@@ -7,7 +7,7 @@ flat layout, ``_Unflatten`` for ``fully_shard``'s dim-0 layout) writes every par
 gradient into one flat gradient, only for the reduce-scatter to read it back out. Over the
 shared-memory transport, which copies its input into the cells anyway, that pass is not
 needed: the node returns the flat gradient unwritten (autograd needs a gradient of the
-leaf's size; fresh memory, whose pages are never touched), keeps the parameters' gradients
+leaf's size; fresh memory, not the pool's), keeps the parameters' gradients
 (``LeftGrads.flat_grad``), and the reduce-scatter reads them where they lie
 (``LeftGrads.take``, ``collectives.reduce_scatter_into(places=...)``), zeros where none
 arrived. Same elements, same order of summation: the same bits. The flat gradient is left
@@ -16,18 +16,24 @@ unwritten only while nothing but that reduce-scatter reads it:
 - only where the unit's last reduction could read places (``reads_places``: the
   shared-memory transport, a sharded strategy, no hook of the user's, no cast), and the leaf
   has no gradient yet (autograd would add the unwritten one to it at once);
-- a second backward into the same leaf before a reduction took the first (a unit run twice
-  in one forward, accumulation without reduction) writes the first (``materialize``)
-  through its storage, which is the same memory wherever autograd keeps it now (the leaf's
-  ``.grad``, or its sum of the two), and writes its own;
+- a second node into the same leaf in one backward call (a unit run twice in one forward)
+  writes the first's (``materialize``) through its storage, which is the same memory
+  wherever autograd keeps it now (in its sum of the two, or on the leaf), and writes its
+  own: autograd sums them before the leaf's hook, and its sum would hold the unwritten one.
+  "One backward call" is autograd's graph task, so that a reentrant checkpoint's nested
+  backward, whose reduction runs while the outer call still holds another node's flat
+  gradient, does not end the outer call's state;
+- anomaly mode reads every node's output (for NaN): nothing is left there;
 - every other reader of the leaf's gradient writes it first (accumulation without
   reduction, a reduction that cannot read places, a leaf gradient that is not the one
   returned); a dropped step drops the kept gradients with the leaf's.
 
 Saved: one pass over each unit's gradient per backward (on the comm config's 2 ranks, the
-copy took 65-69 ms of a 1.2-1.5 s step; measured in alternated steps, the step is 1-4%
-shorter, about the spread of such runs; docs/benchmarks.md). The parameters' gradients now
-live until the reduce-scatter ends, instead of a flat copy of them.
+copy took 65-69 ms of a 1.2-1.5 s step). Measured in alternated steps, the step moved by
+-4.4% to +0.9%, within the spread of such runs (docs/benchmarks.md). The parameters'
+gradients now live until the reduce-scatter ends, instead of a flat copy of them. The
+unwritten flat gradient is fresh memory: untouched pages above glibc's mmap threshold, the
+heap's memory below it.
 """
 
 from __future__ import annotations
@@ -61,8 +67,10 @@ class LeftGrads:
         self._left: tuple[Grads, torch.UntypedStorage, torch.Tensor] | None = None
         """The gradients left, the storage of the flat gradient returned unwritten, and the
         leaf it was returned for."""
-        self._flat_in_flight = False
-        """A backward returned a flat gradient for the leaf that no reduction took yet."""
+        self._in_flight: set[int] = set()
+        """The autograd graph tasks (backward calls; a reentrant checkpoint's nested one is
+        a task of its own) in which this leaf got a flat gradient that no reduction took
+        yet: autograd sums a second one of the same task with it."""
 
     def copy_in(self, grads: Grads, flat: torch.Tensor) -> None:
         raise NotImplementedError
@@ -72,13 +80,16 @@ class LeftGrads:
 
     def flat_grad(self, grads: Grads, leaf: torch.Tensor) -> torch.Tensor:
         """Backward's: ``leaf`` 's gradient, ``grads`` written into it, or left."""
-        in_flight, self._flat_in_flight = self._flat_in_flight, True
-        self.materialize()  # an earlier backward's: autograd adds this one to it
+        task = torch._C._current_graph_task_id()
+        in_flight = task in self._in_flight
+        self._in_flight.add(task)
+        self.materialize()  # an earlier node's: autograd may add this one to it
         if (
             self.reads_places
-            and not in_flight  # another backward's flat gradient, which autograd adds to
+            and not in_flight  # another node's of this task, which autograd adds this to
             and leaf.grad is None  # else autograd adds this one to it at once
             and not torch.is_grad_enabled()
+            and not torch.is_anomaly_enabled()  # it would read the unwritten one for NaNs
             and all(
                 g is None or (g.dtype == leaf.dtype and g.layout == torch.strided) for g in grads
             )
@@ -114,7 +125,10 @@ class LeftGrads:
         """The leaf's gradient ``flat`` is taken off it for its reduction: where its elements
         lie if they were left and ``reads_places``, else None, with ``flat`` written (the
         flat gradient returned, or autograd's copy of it)."""
-        self._flat_in_flight = False
+        task = torch._C._current_graph_task_id()
+        if task < 0:  # outside backward: no task holds a flat gradient of the leaf now
+            self._in_flight.clear()
+        self._in_flight.discard(task)
         left, self._left = self._left, None
         if left is None:
             return None
@@ -126,7 +140,8 @@ class LeftGrads:
 
     def drop(self) -> None:
         """The leaf's gradient is dropped (a failed step): so are the ones left for it."""
-        self._left, self._flat_in_flight = None, False
+        self._left = None
+        self._in_flight.clear()
 
 
 class FlatLeftGrads(LeftGrads):

@@ -21,7 +21,8 @@ storage a unit unshards. What is kept and taken:
   (``_PendingReduction.recycle_input``) and drawn where autograd's backward builds it from
   the parameters' gradients (``_SplitLeaf`` for the flat layout, ``_Unflatten`` for
   ``fully_shard``'s; not one that backward leaves unwritten, [Note: gradients reduced
-  where autograd left them] in dim0_unsharded.py: fresh, its pages are never touched).
+  where autograd left them] in left_grads.py: fresh memory, so the pool's block stays for
+  the next unshard).
 
 Two blocks per size are kept at most (``BLOCKS_PER_SIZE``): in backward, a unit's
 post-backward frees its buffer and its gradient, and the next unit takes both (its
