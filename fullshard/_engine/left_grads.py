@@ -104,9 +104,9 @@ class LeftGrads:
 
     def materialize(self) -> None:
         """Write the gradients left into the flat gradient returned for them, wherever it is
-        now: in autograd's sum of two backwards' (its storage is the same memory), on the
-        leaf, or a copy of it on the leaf (autograd copies a gradient it cannot keep; the leaf
-        had none, so the copy holds nothing else)."""
+        now: in autograd's sum of two nodes' (its storage is the same memory), on the leaf,
+        or a copy of it on the leaf (autograd copies a gradient it cannot keep; the leaf had
+        none, so the copy holds nothing else)."""
         left, self._left = self._left, None
         if left is None:
             return
