@@ -1,4 +1,4 @@
-"""``fully_shard``'s reduce-scatter reading the parameters' gradients where autograd left
+"""The reduce-scatter of either door reading the parameters' gradients where autograd left
 them, over the shared-memory transport ([Note: gradients reduced where autograd left them]
 in ``fullshard/_engine/left_grads.py``): the same bits as the copy it replaces, in the
 cases where the flat gradient it skips is read by something else."""
