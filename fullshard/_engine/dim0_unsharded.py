@@ -31,7 +31,7 @@ could not reuse them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -160,13 +160,20 @@ class Dim0Unsharded(LeftGrads):
             self._places[rank] = places  # views of the storage: valid across free and allocate
         return places
 
-    def _parts_of(self, rank: int) -> list[tuple[torch.Tensor, int, int, int]]:
-        if len(self._flat) != len(self.tensors):
-            self._flat = [tensor.view(-1) for tensor in self.tensors]
+    def _parts_of(
+        self, rank: int, flats: Sequence[torch.Tensor | None] | None = None
+    ) -> list[tuple[torch.Tensor, int, int, int]]:
+        """Per parameter ``rank`` holds rows of, in slot order: its tensor among ``flats``
+        (1-D, one per slot, None to skip; default the parameters' flat views), its span in
+        ``rank``'s shard, and where that rank's rows start in it."""
+        if flats is None:
+            if len(self._flat) != len(self.tensors):
+                self._flat = [tensor.view(-1) for tensor in self.tensors]
+            flats = self._flat
         layout, parts = self.layout, []
-        for index, flat in enumerate(self._flat):
+        for index, flat in enumerate(flats):
             first, last = layout.rank_span(index, rank)
-            if first < last:
+            if first < last and flat is not None:
                 parts.append((flat, first, last, layout.rank_row_start(index, rank)))
         return parts
 
@@ -215,19 +222,14 @@ class Dim0Unsharded(LeftGrads):
 
     def grad_places(self, grads: tuple[torch.Tensor | None, ...]) -> Places:
         """Where each element of the flat gradient of ``grads`` lies: each rank's rows of each
-        parameter's gradient, in the gathered buffer's layout."""
-        layout, places = self.layout, []
-        for index, grad in enumerate(grads):
-            if grad is None:
-                continue
-            rows = grad.reshape(-1)
-            for rank in range(layout.num_shards):
-                first, last = layout.rank_span(index, rank)
-                if first < last:
-                    at = layout.rank_row_start(index, rank)
-                    places.append((rank * layout.shard_numel + first, rows[at : at + last - first]))
-        places.sort(key=lambda place: place[0])
-        return places
+        parameter's gradient, in the gathered buffer's layout (rank after rank, slot after
+        slot: in order)."""
+        rows = [None if grad is None else grad.reshape(-1) for grad in grads]
+        return [
+            (rank * self.layout.shard_numel + first, flat[at : at + last - first])
+            for rank in range(self.layout.num_shards)
+            for flat, first, last, at in self._parts_of(rank, rows)
+        ]
 
     def copy_in(self, grads: tuple[torch.Tensor | None, ...], flat: torch.Tensor) -> None:
         """Write the parameters' gradients into ``flat`` (the unit's flat gradient, in the

@@ -225,7 +225,7 @@ class GradReduction:
             self._reduce_grad_of(grad, received, unsharded.left)
 
     def _reduce_grad_of(
-        self, grad: torch.Tensor, received: list[bool] | None, left: LeftGrads | None = None
+        self, grad: torch.Tensor, received: list[bool] | None, left: LeftGrads
     ) -> None:
         """Issue the reduction of ``grad``, an unsharded gradient (the leaf's, taken off it);
         ``left`` holds the gradients backward may have left where autograd put them instead
@@ -233,10 +233,8 @@ class GradReduction:
         in left_grads.py)."""
         if self._pending_reduction is not None:  # a second backward before the first finished
             self.finalize_grad()
-        places = None
-        if left is not None:
-            left.reads_places = self._reduces_from_places(grad, left)
-            places = left.take(grad, left.reads_places)
+        left.reads_places = self._reduces_from_places(grad, left)
+        places = left.take(grad, left.reads_places)
         if self.comm_hook is not None:
             self._pending_reduction = self._reduce_with_hook(grad, *self.comm_hook)
             return
@@ -272,7 +270,6 @@ class GradReduction:
         its elements lie: ``grad`` is unwritten); returns it, the sharded gradient it
         writes, and its input, which must outlive it."""
         layout = self._segments[0].layout
-        padding = layout.padded_numel - grad.numel()  # the flat layout's leaf stops at numel
         if places is not None:  # sizes only, with the padding
             full = grad.new_empty(1).expand(layout.padded_numel)
             sharded = grad.new_empty(layout.shard_numel)
@@ -280,6 +277,7 @@ class GradReduction:
                 sharded, full, self.groups.shard, self.label, predivide=predivide, places=places
             )
             return work, sharded, full
+        padding = layout.padded_numel - grad.numel()  # the flat layout's leaf stops at numel
         if padding:
             grad = torch.nn.functional.pad(grad, (0, padding))
         if self.custom_reduce_scatter is not None:
